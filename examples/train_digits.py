@@ -1,0 +1,150 @@
+"""The main job: a plain PyTorch training loop on real handwritten digits, upgraded with speedups.
+
+Trains a small CNN with Adam on the 1,797 8x8 digit images that ship inside scikit-learn (no download),
+holding out 20% for test, and prints the final line ``test_accuracy=<float>`` for scripts to parse.
+``--dataset mnist --data-root DIR`` trains on MNIST through torchvision instead.
+
+    python examples/train_digits.py                      # digits, about 10 s on 2 CPU cores
+    python examples/train_digits.py --dataset mnist --data-root ./data --download
+
+What speedups changes against the plain loop (each marked ``# speedups`` below):
+- ``to_device(batch)`` moves the whole batch, whatever its nesting, to this process's device.
+- ``LossTracker`` keeps the running loss on the device: no ``.item()`` sync on every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+from speedups import LossTracker, resolve_device, to_device
+
+
+def load_digits_split(seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """Digits from scikit-learn as (N, 1, 8, 8) float32 in [0, 1] and int64 labels; 80/20 stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, test_idx = train_test_split(
+        range(len(labels)), test_size=0.2, random_state=seed, stratify=digits.target
+    )
+    return (
+        TensorDataset(images[train_idx], labels[train_idx]),
+        TensorDataset(images[test_idx], labels[test_idx]),
+    )
+
+
+def load_mnist_split(root: str, download: bool) -> tuple[TensorDataset, TensorDataset]:
+    """MNIST from torchvision as (N, 1, 28, 28) float32 in [0, 1] and int64 labels (its own train/test)."""
+    from torchvision.datasets import MNIST
+
+    def as_tensors(train: bool) -> TensorDataset:
+        ds = MNIST(root, train=train, download=download)
+        return TensorDataset(ds.data.unsqueeze(1).float() / 255.0, ds.targets.long())
+
+    try:
+        return as_tensors(True), as_tensors(False)
+    except RuntimeError as err:
+        if download:
+            raise
+        sys.exit(
+            f"error: MNIST files not found under --data-root {root!r} ({err}). "
+            f"Add --download to fetch them (about 12 MB), "
+            f"or point --data-root at a folder that holds MNIST/raw."
+        )
+
+
+class SmallCNN(nn.Module):
+    """Two 3x3 convolutions and a two-layer head; any square input size (adaptive pooling to 4x4)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveMaxPool2d(4),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 1, H, W) float32 -> logits (B, 10)
+        return self.head(self.features(x))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)  # summed on device, read once
+    total = 0
+    for batch in loader:
+        x, y = to_device(batch, device)  # speedups
+        correct += (model(x).argmax(dim=1) == y).sum()
+        total += len(y)
+    model.train()
+    return correct.item() / total  # one sync for the whole evaluation
+
+
+def main(argv: list[str] | None = None) -> float:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
+    parser.add_argument("--data-root", default="./data", help="where MNIST lives (only with --dataset mnist)")
+    parser.add_argument("--download", action="store_true", help="download MNIST if missing")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: this process's device)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    # speedups: None -> this process's device (cuda:LOCAL_RANK, else mps, else cpu)
+    device = resolve_device(args.device)
+    if args.dataset == "digits":
+        train_set, test_set = load_digits_split(args.seed)
+    else:
+        train_set, test_set = load_mnist_split(args.data_root, args.download)
+    generator = torch.Generator().manual_seed(args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, generator=generator)
+    test_loader = DataLoader(test_set, batch_size=512)
+
+    model = to_device(SmallCNN(), device)  # speedups
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    tracker = LossTracker()  # speedups: replaces `losses.append(loss.item())`
+
+    for epoch in range(args.epochs):
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, file=sys.stderr)
+        start, seen = time.perf_counter(), 0
+        for step, batch in enumerate(bar):
+            x, y = to_device(batch, device)  # speedups
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            tracker.update(loss, n=len(y))  # speedups: no sync here
+            seen += len(y)
+            if step % 10 == 0:  # reading the tracker is one sync: do it now and then, not every step
+                rate = seen / (time.perf_counter() - start)
+                bar.set_postfix(loss=f"{tracker:.4f}", samples_per_s=f"{rate:.0f}")
+        train_loss = tracker.end_epoch()  # one sync per epoch
+        accuracy = evaluate(model, test_loader, device)
+        print(f"epoch {epoch + 1}: train_loss={train_loss:.4f} test_accuracy={accuracy:.4f}")
+
+    print(f"test_accuracy={accuracy:.4f}")  # the line scripts parse
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Map a function over the leaves of nested containers, keeping every container's exact type.
+
+Containers: any ``Mapping`` (dict, OrderedDict, defaultdict with its ``default_factory``, UserDict and other
+subclasses, extra attributes included), list, tuple, namedtuple (and their subclasses), and dataclass
+instances (frozen ones and ``field(init=False)`` too). Everything else is a leaf. The input is never
+modified: each container is rebuilt, and a container none of whose leaves changed is still a new object.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+__all__ = ["tree_map"]
+
+
+def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """Return ``obj`` with every leaf ``x`` replaced by ``fn(x)``; containers keep their exact type.
+
+    Raises:
+        TypeError: a read-only mapping type that cannot be rebuilt from a dict.
+    """
+    if isinstance(obj, (str, bytes)):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return _map_mapping(fn, obj)
+    if isinstance(obj, tuple):
+        items = [tree_map(fn, v) for v in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, list):
+        new_list = copy.copy(obj)  # keeps a subclass and its attributes
+        new_list[:] = [tree_map(fn, v) for v in obj]
+        return new_list
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)  # no __init__ / __post_init__ rerun; init=False values carried over
+        for f in dataclasses.fields(obj):
+            # object.__setattr__ writes frozen dataclasses too, on the copy only.
+            object.__setattr__(new, f.name, tree_map(fn, getattr(obj, f.name)))
+        return new
+    return fn(obj)
+
+
+def _map_mapping(fn: Callable[[Any], Any], obj: Mapping[Any, Any]) -> Any:
+    mapped = {k: tree_map(fn, v) for k, v in obj.items()}
+    if isinstance(obj, MutableMapping):
+        # copy.copy keeps the type, defaultdict's factory, OrderedDict's order and instance attributes.
+        new = copy.copy(obj)
+        for k, v in mapped.items():
+            new[k] = v
+        return new
+    try:
+        return type(obj)(mapped)  # type: ignore[call-arg]
+    except TypeError as err:
+        raise TypeError(
+            f"cannot rebuild a read-only mapping of type {type(obj).__qualname__} from a dict ({err}). "
+            f"Pass a dict, or give {type(obj).__qualname__} a constructor that takes one."
+        ) from err

@@ -1,0 +1,179 @@
+"""Tip 6: move whole nested batches to the device in one call, keeping their structure.
+
+``to_device(batch)`` walks dicts, lists, tuples, namedtuples and dataclasses and moves every tensor (and every
+module, and every object with a ``.to`` method) to this process's device, so a training loop never writes
+``x, y = x.to(dev), y.to(dev)`` for each field again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+
+from speedups import _env
+from speedups._tree import tree_map
+from speedups.errors import SpeedupsError
+
+__all__ = ["to_device", "default_device", "resolve_device"]
+
+T = TypeVar("T")
+
+DeviceLike = torch.device | str | int
+
+
+def default_device() -> torch.device:
+    """Return this process's device: ``cuda:<LOCAL_RANK>`` with CUDA, else ``mps``, else ``cpu``.
+
+    The CUDA index comes from the local rank (torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``), never
+    from the global rank, so the second node of a multi-node job uses its own GPUs 0..k-1.
+
+    Raises:
+        SpeedupsError: the local rank names a GPU this machine does not have.
+
+    Example:
+        >>> default_device().type in {"cuda", "mps", "cpu"}
+        True
+    """
+    if torch.cuda.is_available():
+        index = _env.local_rank()
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise SpeedupsError(
+                f"default_device(): LOCAL_RANK={index} but this machine has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}). Start at most {count} processes per node, e.g. "
+                f"`torchrun --nproc-per-node {count} ...`."
+            )
+        return torch.device("cuda", index)
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _available_devices() -> list[str]:
+    names = ["cpu", "meta"]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    return names
+
+
+def resolve_device(
+    device: DeviceLike | None, *, call: str = "resolve_device", argument: str = "device"
+) -> torch.device:
+    """Turn ``device`` into a ``torch.device`` that exists on this machine.
+
+    Args:
+        device: ``None`` (this process's :func:`default_device`), an int (a CUDA index), a string such as
+            ``"cuda:1"``, ``"cpu"``, ``"meta"``, or a ``torch.device``.
+        call: the public function's name, quoted in error messages.
+        argument: the argument's name, quoted in error messages.
+
+    Returns:
+        The device. ``"cuda"`` without an index becomes the current CUDA device.
+
+    Raises:
+        TypeError: ``device`` is of another type.
+        ValueError: the string is not a device name.
+        SpeedupsError: the device is well formed but not present here (the message lists what is).
+    """
+    if device is None:
+        return default_device()
+    said = f"{call}({argument}={device!r})"
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"{said}: expected a torch.device, a string like 'cuda:0' or 'cpu', "
+            f"an int (CUDA index) or None, got {type(device).__name__}."
+        )
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(
+            f"{said}: {device!r} is not a device name. Available here: {', '.join(_available_devices())}."
+        ) from err
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dev.index is None:
+            if count == 0:
+                raise SpeedupsError(_missing(said))
+            return torch.device("cuda", torch.cuda.current_device())
+        if not 0 <= dev.index < count:
+            raise SpeedupsError(_missing(said))
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise SpeedupsError(_missing(said))
+    elif dev.type not in ("cpu", "meta"):
+        backend = getattr(torch, dev.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if is_available is None or not is_available():
+            raise SpeedupsError(_missing(said))
+    return dev
+
+
+def _missing(said: str) -> str:
+    return (
+        f"{said}: that device is not available on this machine. "
+        f"Available here: {', '.join(_available_devices())}. "
+        f"Pass one of those, or device=None for this process's default device."
+    )
+
+
+def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:
+    """Move every tensor and module inside ``obj`` to ``device``, keeping the nesting and container types.
+
+    Walks any nesting of dict, OrderedDict, defaultdict (its ``default_factory`` kept), other ``Mapping``
+    and ``UserDict`` subclasses, list, tuple, namedtuple and dataclass instances (frozen ones and
+    ``field(init=False)`` values included). Tensors move with ``Tensor.to``; modules move in place with
+    ``nn.Module.to`` (as torch does); any other object with a ``.to`` method gets ``obj.to(device)``;
+    everything else (strings, numbers, None) is returned as is. ``obj`` itself is never modified: every
+    container is rebuilt. Tensors keep their dtype and shape.
+
+    Sync points: none. A copy to a CUDA device is asynchronous when ``non_blocking`` is True, which is safe
+    only from pinned host memory; the default (``None``) chooses True exactly there (a pinned CPU tensor
+    going to CUDA) and False everywhere else, so a later host read never sees a half-copied tensor.
+
+    Args:
+        obj: a tensor, module, or nested container of them.
+        device: target device; ``None`` means this process's :func:`default_device`
+            (``cuda:<LOCAL_RANK>``, else ``mps``, else ``cpu``).
+        non_blocking: force asynchronous copies on (True) or off (False); None chooses per tensor.
+
+    Returns:
+        A structure of the same types as ``obj`` with its tensors on ``device``.
+
+    Raises:
+        TypeError: ``device`` or ``non_blocking`` has the wrong type.
+        ValueError: ``device`` is not a device name.
+        SpeedupsError: ``device`` does not exist on this machine; the message lists the ones that do.
+
+    Example:
+        >>> batch = {"x": torch.ones(2, 3), "ids": ["a", "b"]}
+        >>> moved = to_device(batch, "meta")
+        >>> moved["x"].device, moved["ids"], batch["x"].device
+        (device(type='meta'), ['a', 'b'], device(type='cpu'))
+    """
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TypeError(f"to_device(non_blocking={non_blocking!r}): expected True, False or None.")
+    target = resolve_device(device, call="to_device")
+    to_cuda = target.type == "cuda"
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            nb = non_blocking
+            if nb is None:
+                nb = to_cuda and leaf.device.type == "cpu" and leaf.is_pinned()
+            return leaf.to(target, non_blocking=nb)
+        if isinstance(leaf, torch.nn.Module):
+            return leaf.to(target)
+        if isinstance(leaf, (str, bytes, type)):
+            return leaf
+        to = getattr(leaf, "to", None)
+        if callable(to):
+            return to(target)
+        return leaf
+
+    return tree_map(move, obj)

@@ -1,0 +1,279 @@
+"""Tip 5: keep a running loss without keeping graphs and without a host-device sync per step.
+
+The classic advice is "store ``loss.item()``, not ``loss``": storing the tensor keeps its autograd graph (and
+every activation in it) alive, while ``.item()`` waits for the GPU on every step. :class:`LossTracker` does
+neither: it adds the *detached* value into a running sum that stays on the loss's device, and syncs once,
+when you read it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any
+
+import torch
+
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = ["LossTracker"]
+
+# Slots of the on-device running state: [sum of n * value, sum of n, number of non-finite values].
+_SUM, _COUNT, _NONFINITE = 0, 1, 2
+
+
+class LossTracker:
+    """A weighted running mean of scalar losses that holds no graph and never syncs until read.
+
+    ``update(loss, n)`` costs a few tiny device kernels and no host-device sync: the detached value is
+    added into a running ``(weighted sum, count)`` kept on the loss's device in float64 (float32 on MPS,
+    which has no float64). Reading the mean (``compute()``, ``float()``, ``str()``, a format spec,
+    ``state_dict()``) is one sync. Python floats are summed on the host and cost nothing on the device.
+
+    Non-finite values (NaN, +-inf) are left out of the mean and counted in :attr:`num_nonfinite`: one
+    diverged micro-batch should not turn the epoch's number into NaN and hide every other value. Reading a
+    mean that left values out warns (:class:`~speedups.SpeedupsWarning`) with how many. A mean over only
+    non-finite values is NaN.
+
+    Epochs: :meth:`end_epoch` appends the current mean to :attr:`history` and starts a new running mean.
+
+    Example:
+        >>> tracker = LossTracker()
+        >>> tracker.update(torch.tensor(2.0), n=3)   # a batch of 3 with mean loss 2.0
+        >>> tracker.update(1.0)                       # n=1
+        >>> tracker.compute()                          # (3 * 2.0 + 1 * 1.0) / 4
+        1.75
+        >>> f"{tracker:.2f}", len(tracker)
+        ('1.75', 2)
+    """
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None  # on-device [sum, count, nonfinite], created on first use
+        self._host = [0.0, 0.0, 0.0]  # the same slots for Python-number updates
+        self._updates = 0
+        self.history: list[float] = []
+        """The mean of each finished epoch, oldest first (see :meth:`end_epoch`)."""
+
+    # ----------------------------------------------------------------------------------------- record
+    def update(self, value: torch.Tensor | float, n: int | float | torch.Tensor = 1) -> None:
+        """Record one loss ``value`` that stands for ``n`` items (samples, tokens).
+
+        No host-device sync: the value is detached and added on its own device.
+
+        Args:
+            value: a scalar loss: a 0-dim or one-element floating tensor on any device (its graph is not
+                kept), or a Python int/float. Usually the mean loss of a micro-batch.
+            n: how many items ``value`` is the mean of (default 1): a positive int or float, or a
+                one-element tensor (such as a token count on the GPU, which is not checked for positivity,
+                since that would sync; a read raises if the total count is not positive).
+
+        Raises:
+            TypeError: ``value`` or ``n`` is not a number or a real tensor (a string, a list, a bool,
+                a complex or integer tensor for ``value``).
+            ValueError: ``value`` has more than one element, or ``n`` is not a positive finite number.
+
+        Nothing is recorded when it raises.
+        """
+        _check_value(value)
+        _check_n(n)
+        self._updates += 1
+        if not isinstance(value, torch.Tensor) and not isinstance(n, torch.Tensor):
+            v, w = float(value), float(n)
+            if math.isfinite(v):
+                self._host[_SUM] += v * w
+                self._host[_COUNT] += w
+            else:
+                self._host[_NONFINITE] += 1.0
+            return
+        if isinstance(value, torch.Tensor):
+            device = value.device if self._state is None else self._state.device
+            v_t = value.detach().reshape(()).to(device=device, dtype=_dtype(device))
+        else:
+            device = n.device if self._state is None else self._state.device  # type: ignore[union-attr]
+            v_t = torch.tensor(float(value), device=device, dtype=_dtype(device))
+        w_t: torch.Tensor | float
+        if isinstance(n, torch.Tensor):
+            w_t = n.detach().reshape(()).to(device=device, dtype=v_t.dtype)
+        else:
+            w_t = float(n)
+        finite = torch.isfinite(v_t)
+        zero = v_t.new_zeros(())
+        row = torch.stack(
+            [
+                torch.where(finite, v_t * w_t, zero),
+                torch.where(finite, w_t if isinstance(w_t, torch.Tensor) else zero + w_t, zero),
+                (~finite).to(v_t.dtype),
+            ]
+        )
+        if self._state is None:
+            self._state = row
+        else:
+            self._state += row
+
+    # ------------------------------------------------------------------------------------------- read
+    def _totals(self) -> tuple[float, float, float]:
+        """Return (weighted sum, count, non-finite count) as Python floats. One sync if on a device."""
+        totals = list(self._host)
+        if self._state is not None:
+            device_totals = self._state.tolist()  # the one host-device sync of a read
+            totals = [a + b for a, b in zip(totals, device_totals, strict=True)]
+        return totals[_SUM], totals[_COUNT], totals[_NONFINITE]
+
+    def compute(self) -> float:
+        """Return the weighted mean of the values recorded since the last reset or epoch end.
+
+        Sync point: one host-device sync (when any value was a device tensor).
+
+        Returns:
+            ``sum(n_i * value_i) / sum(n_i)`` over the finite values, as a Python float; NaN when every
+            recorded value was non-finite.
+
+        Raises:
+            SpeedupsError: nothing was recorded yet, or the total item count is not positive (possible only
+                with tensor ``n``).
+
+        Warns:
+            SpeedupsWarning: some values were non-finite and were left out.
+        """
+        if self._updates == 0:
+            raise SpeedupsError(
+                "LossTracker.compute(): no value recorded since the last reset. "
+                "Call tracker.update(loss, n) at least once before reading it."
+            )
+        total, count, nonfinite = self._totals()
+        return self._mean(total, count, nonfinite)
+
+    def _mean(self, total: float, count: float, nonfinite: float) -> float:
+        if nonfinite:
+            warnings.warn(
+                f"LossTracker: {int(nonfinite)} of {self._updates} recorded values were NaN or inf and were "
+                f"left out of the mean. Look for a diverging step (lower the learning rate, clip gradients).",
+                SpeedupsWarning,
+                stacklevel=3,
+            )
+        if count == 0 and nonfinite:
+            return math.nan
+        if count <= 0:
+            raise SpeedupsError(
+                f"LossTracker.compute(): the total item count is {count!r}; every n must be positive. "
+                f"Pass n as the number of items the value is the mean of."
+            )
+        return total / count
+
+    @property
+    def num_nonfinite(self) -> int:
+        """How many recorded values were NaN or inf and left out (one sync, like :meth:`compute`)."""
+        return int(self._totals()[_NONFINITE])
+
+    def __len__(self) -> int:
+        """Return how many values were recorded since the last reset or epoch end (no sync)."""
+        return self._updates
+
+    def __float__(self) -> float:
+        """Same as :meth:`compute` (one sync)."""
+        return self.compute()
+
+    def __format__(self, spec: str) -> str:
+        """Format the mean, e.g. ``f"{tracker:.4f}"`` (one sync); ``"nan"`` formatted when empty.
+
+        This is what a tqdm postfix needs: ``bar.set_postfix(loss=f"{tracker:.4f}")``.
+        """
+        value = self.compute() if self._updates else math.nan
+        return format(value, spec or ".4g")
+
+    def __str__(self) -> str:
+        """The mean with 4 significant digits (one sync); tqdm's ``set_postfix(loss=tracker)`` uses it."""
+        return self.__format__("")
+
+    def __repr__(self) -> str:
+        return f"LossTracker(updates={self._updates}, epochs={len(self.history)})"
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget the running mean (the epoch :attr:`history` is kept). No sync."""
+        self._state = None
+        self._host = [0.0, 0.0, 0.0]
+        self._updates = 0
+
+    def end_epoch(self) -> float:
+        """Close the epoch: append its mean to :attr:`history`, reset, and return the mean (one sync).
+
+        Raises:
+            SpeedupsError: nothing was recorded in this epoch.
+        """
+        mean = self.compute()
+        self.history.append(mean)
+        self.reset()
+        return mean
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a checkpointable dict of Python numbers (one sync). Restore with :meth:`load_state_dict`."""
+        total, count, nonfinite = self._totals()
+        return {
+            "sum": total,
+            "count": count,
+            "nonfinite": nonfinite,
+            "updates": self._updates,
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Later updates continue the same running mean.
+
+        Raises:
+            ValueError: ``state`` lacks a key or has one this class does not know.
+        """
+        expected = {"sum", "count", "nonfinite", "updates", "history"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"LossTracker.load_state_dict(state): expected a dict with keys {sorted(expected)}, "
+                f"got {got}. Pass what LossTracker.state_dict() returned."
+            )
+        self.reset()
+        self._host = [float(state["sum"]), float(state["count"]), float(state["nonfinite"])]
+        self._updates = int(state["updates"])
+        self.history = [float(v) for v in state["history"]]
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _check_value(value: object) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"LossTracker.update(value=<tensor of shape {tuple(value.shape)}>): expected a scalar loss "
+                f"(0-dim or one element). Reduce it first, e.g. tracker.update(loss.mean())."
+            )
+        if not value.is_floating_point():
+            raise TypeError(
+                f"LossTracker.update(value=<tensor of dtype {value.dtype}>): expected a floating-point loss."
+            )
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"LossTracker.update(value={value!r}): expected a scalar tensor or a Python float, "
+            f"got {type(value).__name__}."
+        )
+
+
+def _check_n(n: object) -> None:
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
+            raise ValueError(
+                f"LossTracker.update(n=<tensor of shape {tuple(n.shape)}, dtype {n.dtype}>): expected a "
+                f"one-element real tensor (an item count)."
+            )
+        return
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(
+            f"LossTracker.update(n={n!r}): expected a positive int or float, got {type(n).__name__}."
+        )
+    if not (math.isfinite(float(n)) and float(n) > 0):
+        raise ValueError(
+            f"LossTracker.update(n={n!r}): n is the number of items the value averages and must be positive "
+            f"and finite, e.g. n=len(batch)."
+        )

@@ -1,0 +1,44 @@
+"""The examples run as a user runs them: as subprocesses, with few epochs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_digits_trains_and_prints_a_parsable_accuracy() -> None:
+    out = run_example("examples/train_digits.py", "--epochs", "2", "--device", "cpu", "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"test_accuracy=(\d\.\d{4})", last)
+    assert match, last
+    assert float(match.group(1)) > 0.8  # two epochs on the digits already reach ~0.9
+    losses = [float(v) for v in re.findall(r"train_loss=([\d.]+)", out.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_train_digits_mnist_without_files_explains_how_to_get_them(tmp_path: Path) -> None:
+    out = run_example("examples/train_digits.py", "--dataset", "mnist", "--data-root", str(tmp_path))
+    assert out.returncode != 0
+    assert "--download" in out.stderr and "not found" in out.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be downloaded without --download"
+
+
+def test_train_digits_bad_device_is_a_clear_error() -> None:
+    out = run_example("examples/train_digits.py", "--epochs", "1", "--device", "cuda:7")
+    assert out.returncode != 0 and "Available here" in out.stderr
+
+
+def test_loss_tracker_only_example_loss_goes_down() -> None:
+    out = run_example("examples/loss_tracker_only.py", "--epochs", "3")
+    assert out.returncode == 0, out.stderr
+    losses = [float(v) for v in re.findall(r"train_loss=([\d.]+)", out.stdout)]
+    assert len(losses) == 3 and losses[2] < losses[0] / 10

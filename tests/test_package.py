@@ -1,0 +1,99 @@
+"""Contract tests: public surface, import side effects, README and CI agreement, README examples run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import speedups
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(speedups.__all__) == sorted(
+        [
+            "LossTracker",
+            "SpeedupsError",
+            "SpeedupsWarning",
+            "__version__",
+            "default_device",
+            "resolve_device",
+            "to_device",
+        ]
+    )
+    for name in speedups.__all__:
+        assert hasattr(speedups, name), name
+
+
+def test_every_public_callable_has_a_docstring() -> None:
+    for name in speedups.__all__:
+        obj = getattr(speedups, name)
+        if callable(obj):
+            assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
+
+
+def test_import_has_no_side_effects() -> None:
+    code = (
+        "import os, sys, torch\n"
+        "before = set(sys.modules)\n"
+        "env = dict(os.environ)\n"
+        "flags = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision(),"
+        " torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())\n"
+        "import speedups, logging\n"
+        "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
+        "assert flags == (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision(),"
+        " torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "assert not new & {'torchvision', 'tqdm', 'matplotlib', 'sklearn'}, new\n"
+        "assert not logging.getLogger().handlers\n"
+        "assert not (torch.distributed.is_available() and torch.distributed.is_initialized())\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_version_is_single_sourced() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["tool"]["setuptools"]["dynamic"]["version"]["attr"] == "speedups.__version__"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", speedups.__version__)
+
+
+def test_runtime_dependencies_are_exactly_torch_wrapt_typing_extensions() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = {re.split(r"[<>=!~ ]", d)[0] for d in meta["project"]["dependencies"]}
+    assert names == {"torch", "wrapt", "typing-extensions"}
+    assert not any("==" in d for d in meta["project"]["dependencies"]), "no pins in the package itself"
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
+
+
+def test_readme_starts_with_the_two_commands_and_ci_runs_the_second() -> None:
+    blocks = _bash_blocks()
+    run_example, run_tests = blocks[0].strip(), blocks[1].strip()
+    assert "examples/train_digits.py" in run_example and run_example.startswith("python3 -m venv .venv")
+    assert "pytest" in run_tests and run_tests.startswith("python3 -m venv .venv")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"TEST_COMMAND='{run_tests}'" in ci
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)\n```", README, flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_readme_python_examples_run(index: int, tmp_path: Path) -> None:
+    script = tmp_path / f"readme_block_{index}.py"
+    script.write_text(_python_blocks()[index])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

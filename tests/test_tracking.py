@@ -1,0 +1,158 @@
+"""LossTracker against hand-computed weighted means, graph release, and sync counts."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+from speedups import LossTracker, SpeedupsError, SpeedupsWarning
+from tests._sync_counter import SyncCounter
+
+
+def test_weighted_mean_matches_hand_computation() -> None:
+    values = [0.5, 1.25, 3.0, 0.125]
+    counts = [4, 4, 2, 7]
+    tracker = LossTracker()
+    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
+        # mix tensors, Python floats and tensor counts
+        value = torch.tensor(v) if i % 2 == 0 else v
+        tracker.update(value, n=torch.tensor(n) if i == 2 else n)
+    expected = sum(v * n for v, n in zip(values, counts, strict=True)) / sum(counts)
+    assert tracker.compute() == pytest.approx(expected, abs=1e-6)
+    assert len(tracker) == 4
+
+
+def test_a4_tracker_holds_no_graph() -> None:
+    x = torch.randn(512, 512, requires_grad=True)
+    h = x * 2
+    loss = (h**2).mean()
+    r = weakref.ref(h)
+    tracker = LossTracker()
+    tracker.update(loss)
+    del h, loss
+    gc.collect()
+    assert r() is None
+    held = [v for v in vars(tracker).values() if isinstance(v, torch.Tensor)]
+    assert held and not any(t.requires_grad or t.grad_fn is not None for t in held)
+
+
+def test_hundred_updates_make_no_host_sync() -> None:
+    losses = [torch.rand(()) for _ in range(100)]
+    counts = [torch.tensor(3.0) for _ in range(100)]
+    tracker = LossTracker()
+    with SyncCounter() as counter:
+        for loss, n in zip(losses, counts, strict=True):
+            tracker.update(loss, n=n)
+    assert counter.count == 0
+    with SyncCounter() as counter:
+        mean = tracker.compute()
+    assert counter.count <= 1  # .tolist() of the 3-slot state: one device-to-host read
+    assert mean == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
+
+
+def test_sync_counter_can_see_a_sync() -> None:
+    """The counter is not blind: .item() counts."""
+    with SyncCounter() as counter:
+        torch.ones(()).item()
+    assert counter.count == 1
+
+
+def test_nonfinite_values_are_left_out_counted_and_warned() -> None:
+    tracker = LossTracker()
+    tracker.update(torch.tensor(2.0), n=2)
+    tracker.update(torch.tensor(float("nan")), n=5)
+    tracker.update(float("inf"))
+    tracker.update(4.0, n=2)
+    with pytest.warns(SpeedupsWarning, match="2 of 4 recorded values were NaN or inf"):
+        assert tracker.compute() == pytest.approx(3.0)
+    assert tracker.num_nonfinite == 2
+    only_bad = LossTracker()
+    only_bad.update(torch.tensor(float("nan")))
+    with pytest.warns(SpeedupsWarning):
+        assert math.isnan(only_bad.compute())
+
+
+def test_epochs_history_and_reset() -> None:
+    tracker = LossTracker()
+    tracker.update(1.0)
+    tracker.update(3.0)
+    assert tracker.end_epoch() == pytest.approx(2.0)
+    tracker.update(torch.tensor(5.0))
+    assert tracker.end_epoch() == pytest.approx(5.0)
+    assert tracker.history == pytest.approx([2.0, 5.0])
+    assert len(tracker) == 0
+    tracker.update(1.0)
+    tracker.reset()
+    assert len(tracker) == 0 and tracker.history == pytest.approx([2.0, 5.0])
+
+
+def test_state_dict_round_trip_continues_the_same_mean() -> None:
+    a = LossTracker()
+    a.update(torch.tensor(1.0), n=3)
+    a.end_epoch()
+    a.update(torch.tensor(2.0), n=1)
+    b = LossTracker()
+    b.load_state_dict(a.state_dict())
+    for t in (a, b):
+        t.update(torch.tensor(6.0), n=1)
+    assert b.compute() == pytest.approx(a.compute()) == pytest.approx(4.0)
+    assert b.history == a.history and len(b) == len(a) == 2
+    with pytest.raises(ValueError, match="expected a dict with keys"):
+        b.load_state_dict({"sum": 1.0})
+
+
+def test_tqdm_postfix_and_format() -> None:
+    from tqdm import tqdm
+
+    tracker = LossTracker()
+    assert f"{tracker:.3f}" == "nan"  # empty: formats, does not raise
+    tracker.update(torch.tensor(0.123456))
+    assert f"{tracker:.3f}" == "0.123" and str(tracker) == "0.1235"
+    assert float(tracker) == pytest.approx(0.123456)
+    bar = tqdm(range(1), disable=False, file=open("/dev/null", "w"))  # noqa: SIM115
+    bar.set_postfix(loss=tracker)
+    assert "loss=0.1235" in str(bar)
+    bar.close()
+
+
+def test_compute_before_any_update_is_a_clear_error() -> None:
+    with pytest.raises(SpeedupsError, match=r"no value recorded.*tracker.update"):
+        LossTracker().compute()
+
+
+@pytest.mark.parametrize(
+    "value, n, error, match",
+    [
+        (torch.ones(3), 1, ValueError, r"shape \(3,\).*scalar"),
+        ("0.5", 1, TypeError, r"value='0.5'"),
+        ([0.5], 1, TypeError, r"value=\[0.5\]"),
+        (True, 1, TypeError, r"value=True"),
+        (torch.tensor(1), 1, TypeError, r"floating-point"),
+        (0.5, 0, ValueError, r"n=0.*positive"),
+        (0.5, -2, ValueError, r"n=-2"),
+        (0.5, float("nan"), ValueError, r"n=nan"),
+        (0.5, "3", TypeError, r"n='3'"),
+        (0.5, torch.ones(2), ValueError, r"one-element"),
+    ],
+)
+def test_bad_input_raises_and_records_nothing(value, n, error, match) -> None:
+    tracker = LossTracker()
+    tracker.update(torch.tensor(1.0))
+    with pytest.raises(error, match=match):
+        tracker.update(value, n=n)
+    assert len(tracker) == 1 and tracker.compute() == pytest.approx(1.0)
+
+
+@pytest.mark.cuda
+def test_cuda_updates_stay_on_device_without_sync() -> None:
+    tracker = LossTracker()
+    losses = [torch.rand((), device="cuda") for _ in range(20)]
+    with SyncCounter() as counter:
+        for loss in losses:
+            tracker.update(loss, n=2)
+    assert counter.count == 0
+    assert tracker.compute() == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
