@@ -1,0 +1,1 @@
+"""Benchmarks: each prints ratios against the plain loop measured in the same run (never timed tests)."""

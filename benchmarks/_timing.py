@@ -1,0 +1,65 @@
+"""Shared timing helpers for the benchmarks: interleaved rounds, medians, ratio tables, PNG charts.
+
+Every benchmark compares variants *in the same run*, round-robin, so that a noisy shared machine slows all
+variants alike; results are medians over rounds, reported as ratios to a named baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def compare(
+    variants: Mapping[str, Callable[[], object]], *, rounds: int = 7, warmup: int = 1
+) -> dict[str, float]:
+    """Time each variant (a callable doing one unit of work) ``rounds`` times, interleaved.
+
+    Returns:
+        Median seconds per call for each variant name.
+    """
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def ratio_table(title: str, seconds: Mapping[str, float], baseline: str, unit: str = "s") -> str:
+    """Format a table of times and their ratio to ``baseline`` (lower is faster)."""
+    base = seconds[baseline]
+    width = max(len(n) for n in seconds)
+    lines = [title, f"{'variant':<{width}}  {'time':>12}  ratio to {baseline}"]
+    for name, value in seconds.items():
+        lines.append(f"{name:<{width}}  {value:>10.4f} {unit}  {value / base:>6.3f}x")
+    return "\n".join(lines)
+
+
+def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, ylabel: str = "ratio") -> Path:
+    """Write a bar chart of ``ratios`` to a PNG (needs matplotlib: ``pip install speedups[examples]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(list(ratios), list(ratios.values()), color="#4c72b0")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,95 @@
+"""Launch real multi-process jobs for tests: torchrun on 127.0.0.1 with the gloo backend.
+
+Worker scripts live in ``tests/workers/`` as plain module-level scripts (no decorated functions: a
+wrapt-wrapped function cannot be pickled). Every launch has a hard timeout and a fresh free port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def torchrun_command(
+    script: Path | str, args: Sequence[str] = (), *, nproc: int = 2, extra_launcher_args: Sequence[str] = ()
+) -> list[str]:
+    """The command line of a single-node torchrun on 127.0.0.1 with a free port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        *extra_launcher_args, str(script), *args,
+    ]  # fmt: skip
+
+
+def run_torchrun(
+    script: Path | str,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    extra_launcher_args: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
+    """Run ``torchrun --nproc-per-node nproc script args`` on 127.0.0.1 (TimeoutExpired past timeout)."""
+    return subprocess.run(
+        torchrun_command(script, args, nproc=nproc, extra_launcher_args=extra_launcher_args),
+        cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def run_two_nodes(
+    script: Path | str,
+    args: Sequence[str] = (),
+    *,
+    nproc_per_node: int = 1,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Two torchrun "nodes" on localhost (``--nnodes 2``, c10d rendezvous on 127.0.0.1), run together."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node_rank in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "speedups-test",
+            "--local-addr", "127.0.0.1",
+            str(script), *args,
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results

@@ -1,0 +1,13 @@
+"""Smoke worker: all-reduce the rank and print it (checks the launcher helpers themselves)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+rank, world = dist.get_rank(), dist.get_world_size()
+print(f"rank={rank} local_rank={os.environ['LOCAL_RANK']} world={world} sum={t.item()}")
+dist.destroy_process_group()
