@@ -48,3 +48,7 @@ def _no_leaked_global_state():
         leaked.append("grad mode")
     if leaked:
         pytest.fail("test leaked " + "; ".join(leaked))
+
+
+# Worker scripts are run by torchrun, not imported by pytest's --doctest-modules collection.
+collect_ignore_glob = ["workers/*"]
