@@ -5,6 +5,7 @@ Composable decorators and context managers, one module per tip; this file only r
 
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 
 __version__ = "0.1.0"
@@ -16,5 +17,7 @@ __all__ = [
     "__version__",
     "default_device",
     "resolve_device",
+    "shard_model",
     "to_device",
+    "unshard_model",
 ]

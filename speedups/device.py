@@ -159,21 +159,35 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TypeError(f"to_device(non_blocking={non_blocking!r}): expected True, False or None.")
     target = resolve_device(device, call="to_device")
-    to_cuda = target.type == "cuda"
+    return tree_map(_LeafMover(target, non_blocking), obj)
 
-    def move(leaf: Any) -> Any:
+
+class _LeafMover:
+    """The function :func:`to_device` applies to each leaf, for an already resolved ``target``.
+
+    Built once and reused by callers on a hot path (``shard_model``'s hooks), so a call costs no device
+    lookup: tensors move with ``Tensor.to`` (no copy when already there; ``non_blocking`` as documented in
+    :func:`to_device`), modules with ``nn.Module.to``, objects with a ``.to`` method with it. A plain
+    class rather than a closure, so that a module holding one in a hook can still be pickled.
+    """
+
+    __slots__ = ("non_blocking", "target")
+
+    def __init__(self, target: torch.device, non_blocking: bool | None = None) -> None:
+        self.target = target
+        self.non_blocking = non_blocking
+
+    def __call__(self, leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            nb = non_blocking
+            nb = self.non_blocking
             if nb is None:
-                nb = to_cuda and leaf.device.type == "cpu" and leaf.is_pinned()
-            return leaf.to(target, non_blocking=nb)
+                nb = self.target.type == "cuda" and leaf.device.type == "cpu" and leaf.is_pinned()
+            return leaf.to(self.target, non_blocking=nb)
         if isinstance(leaf, torch.nn.Module):
-            return leaf.to(target)
+            return leaf.to(self.target)
         if isinstance(leaf, (str, bytes, type)):
             return leaf
         to = getattr(leaf, "to", None)
         if callable(to):
-            return to(target)
+            return to(self.target)
         return leaf
-
-    return tree_map(move, obj)

@@ -24,7 +24,9 @@ def test_public_names_are_pinned() -> None:
             "__version__",
             "default_device",
             "resolve_device",
+            "shard_model",
             "to_device",
+            "unshard_model",
         ]
     )
     for name in speedups.__all__:

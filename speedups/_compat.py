@@ -1,0 +1,37 @@
+"""The one place that touches torch's private APIs; each use is tested (see tests/test_sharding.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["register_load_state_dict_pre_hook", "register_state_dict_post_hook"]
+
+
+def register_state_dict_post_hook(
+    module: nn.Module, hook: Callable[[nn.Module, dict[str, Any], str, dict[str, Any]], None]
+) -> RemovableHandle:
+    """Register ``hook(module, state_dict, prefix, local_metadata)`` to edit ``state_dict`` in place.
+
+    Public as ``nn.Module.register_state_dict_post_hook`` since torch 2.5; torch 2.4 has only the private
+    ``_register_state_dict_hook``, whose in-place behaviour is the same when the hook returns None.
+    """
+    public = getattr(module, "register_state_dict_post_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_state_dict_hook(hook)
+
+
+def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """Register ``hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)``.
+
+    Public as ``nn.Module.register_load_state_dict_pre_hook`` since torch 2.5; torch 2.4 has the private
+    ``_register_load_state_dict_pre_hook(hook, with_module=True)`` with the same signature.
+    """
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)

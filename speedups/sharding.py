@@ -1,0 +1,488 @@
+"""Tip 8: model parallel by submodule name, with inputs moved for you and data-parallel replicas per shard.
+
+When a model does not fit one device, the classic move is to put the encoder on one GPU and the decoder on
+another and to move activations between them by hand (PyTorch tutorial "Single-Machine Model Parallel Best
+Practices"). Done by hand it breaks on the details: a parameter on the root module, a keyword argument such
+as a mask, an output left on an unexpected device. :func:`shard_model` does the moving with official,
+removable module hooks and returns the same ``nn.Module``; :func:`unshard_model` undoes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from speedups import _compat
+from speedups._tree import tree_map
+from speedups.device import DeviceLike, _LeafMover, resolve_device
+from speedups.errors import SpeedupsError
+
+__all__ = ["shard_model", "unshard_model"]
+
+M = TypeVar("M", bound=nn.Module)
+
+_ATTR = "_speedups_sharding"  # the plan of a sharded model, kept on the model itself (nothing global)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    key: str
+    devices: tuple[torch.device, ...]
+    replicated: bool  # a list of devices was given: the submodule is wrapped in nn.DataParallel
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0]
+
+
+@dataclasses.dataclass
+class _Sharding:
+    shards: dict[str, _Shard]
+    compute_device: torch.device  # where everything not under a key lives and runs
+    output_device: torch.device | None  # None: the device of the first input tensor, per call
+    original_device: torch.device | None  # the one device the model was on before, if it was on one
+    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)
+    wrappers: list[tuple[nn.Module, str, nn.DataParallel]] = dataclasses.field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------- hooks
+# Plain classes rather than closures, so that a sharded model can still be pickled and deep-copied.
+
+
+class _MoveInputs:
+    """Forward pre-hook (with_kwargs): move positional and keyword inputs, nested, to one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.move = _LeafMover(device)
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return tree_map(self.move, args), tree_map(self.move, kwargs)
+
+
+class _MoveOutput:
+    """Forward hook: bring a mapped submodule's output back to the device of the code that called it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.move = _LeafMover(device)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        return tree_map(self.move, output)
+
+
+class _RootIO:
+    """The root's pre-hook (inputs to the compute device) and forward hook (output to the output device)."""
+
+    def __init__(self, compute_device: torch.device, output_device: torch.device | None) -> None:
+        self.compute_device = compute_device
+        self.to_compute = _LeafMover(compute_device)
+        self.to_output = None if output_device is None else _LeafMover(output_device)
+        self.input_device: torch.device | None = None
+
+    def _see_and_move(self, leaf: Any) -> Any:
+        if self.input_device is None and isinstance(leaf, torch.Tensor):
+            self.input_device = leaf.device
+        return self.to_compute(leaf)
+
+    def before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.input_device = None
+        moved_args, moved_kwargs = tree_map(self._see_and_move, (args, kwargs))
+        return moved_args, moved_kwargs
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        move = self.to_output or _LeafMover(self.input_device or self.compute_device)
+        return tree_map(move, output)
+
+
+class _UnwrapStateDict:
+    """state_dict post-hook on a DataParallel wrapper: drop its ``module.`` level from the keys."""
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+    ) -> None:
+        inner = prefix + "module."
+        items = list(state_dict.items())
+        state_dict.clear()  # rebuilt in the same order, so keys read exactly as without the wrapper
+        for key, value in items:
+            state_dict[prefix + key[len(inner) :] if key.startswith(inner) else key] = value
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            inner_meta = prefix + "module"
+            for key in [k for k in metadata if k == inner_meta or k.startswith(inner_meta + ".")]:
+                new = prefix + key[len(inner_meta) + 1 :] if key != inner_meta else prefix[:-1]
+                metadata[new] = metadata.pop(key)
+
+
+class _WrapStateDict:
+    """load_state_dict pre-hook on a DataParallel wrapper: add its ``module.`` level to the keys."""
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
+
+
+# ------------------------------------------------------------------------------------------------ public
+def shard_model(
+    model: M,
+    device_map: Mapping[str, DeviceLike | Sequence[DeviceLike]],
+    *,
+    default_device: DeviceLike | None = None,
+    output_device: DeviceLike | None = None,
+    enabled: bool = True,
+) -> M:
+    """Place submodules of ``model`` on devices by name, and move activations between them for you.
+
+    Model parallelism: each key of ``device_map`` names a submodule, which moves to its device and gets a
+    forward pre-hook that moves its positional and keyword inputs (any nesting, as :func:`~speedups.to_device`
+    moves them) to that device, and a forward hook that brings its output back to ``default_device``. So the
+    model's own ``forward`` runs unchanged: code outside the mapped submodules (a parameter on the root, an
+    unmapped head, ``h + self.pos``) runs on ``default_device`` and always receives the submodules' outputs
+    there. The root gets a pre-hook moving the model's inputs to ``default_device`` and a hook moving its
+    output to ``output_device``. A list of CUDA devices replicates that submodule with ``nn.DataParallel``
+    across them (data parallel inside one shard; its input goes to the first of them).
+
+    It saves memory per device (each device holds only its shard's parameters, gradients and activations),
+    not time: shards run one after another, and every crossing is a copy. It does not help a model that fits
+    one device (use data parallelism there). Each mapped submodule's output returns to ``default_device``,
+    so two mapped submodules called one after the other cost two copies (B to default, default to C) instead
+    of one: choose ``default_device`` where the unmapped code and most crossings are.
+
+    Training works as on one device: gradients equal the unsharded model's (autograd moves them back across
+    each copy); build the optimizer after sharding (parameters move as ``nn.Module.to`` moves them,
+    which may replace the parameter objects; tied weights stay tied). ``state_dict()`` keys are those of
+    the unsharded model, also under ``nn.DataParallel`` (its ``module.`` level is removed on save and added
+    on load), so checkpoints move between placements with ``load_state_dict`` (loading copies each tensor
+    to where the parameter is). ``named_parameters()`` shows the ``module.`` level of a replicated
+    submodule. Composes with anything built on hooks or
+    autocast (``mixed_precision``, ``accumulate``): the model is still the user's ``nn.Module``.
+
+    Sync points: none added on the host side; a copy from a CUDA device to the CPU waits for the GPU (as
+    ``.cpu()`` does). Pinned CPU tensors go to CUDA with ``non_blocking=True``.
+
+    Gotchas: only calls through ``module(...)`` are hooked: code that reaches into a mapped submodule's
+    parameters from outside (``F.linear(h, self.encoder.embed.weight)``) or calls ``submodule.forward``
+    directly gets no moves. Tensors shared between places that map to different devices (tied weights) are
+    refused, since a tensor lives on one device.
+
+    Args:
+        model: the model; changed in place and returned.
+        device_map: ``{dotted submodule name: device}``, e.g. ``{"encoder": 0, "decoder.layers.3": "cpu"}``.
+            Names are those of ``model.named_modules()`` (not ``""``, the model itself); no key may lie inside
+            another. A device is an int (a CUDA index), a string such as ``"cuda:1"``, ``"cpu"``, ``"meta"``,
+            a ``torch.device``, or a list of CUDA devices (``[0, 1]``) to replicate that submodule across them
+            with ``nn.DataParallel``.
+        default_device: the device of every parameter and buffer not under a key, where the unmapped code
+            runs. Default: the (first) device of the first key.
+        output_device: where the model's output goes. Default (None): the device of the first tensor in
+            the call's inputs (positional first, then keyword), or ``default_device`` if there is none.
+        enabled: False returns ``model`` untouched.
+
+    Returns:
+        ``model`` itself, sharded. Undo with :func:`unshard_model`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``device_map`` is not a mapping, or a key or value
+            has the wrong type.
+        ValueError: ``device_map`` is empty, a key is not a submodule name (the message lists the valid
+            ones), keys overlap or name the same module, a list of devices is empty, repeats a device or
+            holds a non-CUDA device, or a tied tensor would go to two devices.
+        SpeedupsError: a device does not exist here (the message lists what does), ``model`` (or a
+            submodule) is already sharded, or a tensor on ``meta`` would have to move to a real device.
+
+    Nothing is moved or registered when it raises.
+
+    Example:
+        >>> from collections import OrderedDict
+        >>> model = nn.Sequential(OrderedDict(encoder=nn.Linear(4, 8), decoder=nn.Linear(8, 2)))
+        >>> model = shard_model(model, {"encoder": "meta", "decoder": "meta"})
+        >>> model.encoder.weight.device, model(torch.ones(3, 4, device="meta")).shape
+        (device(type='meta'), torch.Size([3, 2]))
+        >>> unshard_model(model, "meta").encoder.weight.device   # hooks removed, one device again
+        device(type='meta')
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"shard_model(enabled={enabled!r}): expected True or False.")
+    if not enabled:
+        return model
+    plan = _plan(model, device_map, default_device, output_device)
+    _apply(model, plan)
+    return model
+
+
+def unshard_model(model: M, device: DeviceLike | None = None) -> M:
+    """Undo :func:`shard_model`: remove its hooks, unwrap ``nn.DataParallel`` replicas, move to one device.
+
+    Args:
+        model: a model returned by :func:`shard_model`.
+        device: where the whole model goes. Default: the one device it was on before sharding, or, if it
+            was spread over several, the sharding's ``default_device``.
+
+    Returns:
+        ``model`` itself, as an ordinary module on ``device`` (build a new optimizer if the device changed).
+
+    Raises:
+        SpeedupsError: ``model`` is not sharded, ``device`` does not exist here, or a tensor on ``meta``
+            would have to move to a real device.
+        TypeError, ValueError: ``device`` is not a device.
+
+    Nothing is changed when it raises.
+    """
+    plan = getattr(model, _ATTR, None)
+    if not isinstance(plan, _Sharding):
+        raise SpeedupsError(
+            f"unshard_model({type(model).__name__}): this model is not sharded. "
+            f"Only a model returned by shard_model() can be unsharded; to move a model use model.to(device)."
+        )
+    if device is None:
+        target = plan.original_device or plan.compute_device
+    else:
+        target = resolve_device(device, call="unshard_model", argument="device")
+    if target.type != "meta":
+        for name, tensor in _named_tensors(model):
+            if tensor.is_meta:
+                raise SpeedupsError(
+                    f"unshard_model(model, device={str(target)!r}): {name!r} is on 'meta', which holds no "
+                    f"data to copy. Keep it on meta, or materialise first: model.to_empty(device=...) and "
+                    f"load a state_dict."
+                )
+    for handle in plan.handles:
+        handle.remove()
+    for parent, name, wrapper in plan.wrappers:
+        setattr(parent, name, wrapper.module)
+    delattr(model, _ATTR)
+    model.to(target)
+    return model
+
+
+# ------------------------------------------------------------------------------------------- validation
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def _plan(
+    model: nn.Module,
+    device_map: Mapping[str, Any],
+    default_device: DeviceLike | None,
+    output_device: DeviceLike | None,
+) -> _Sharding:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"shard_model({type(model).__name__}, ...): expected an nn.Module as `model`, "
+            f"got {type(model).__name__}. Pass the model itself: shard_model(model, {{'encoder': 0}})."
+        )
+    if not isinstance(device_map, Mapping):
+        raise TypeError(
+            f"shard_model(model, {device_map!r}): `device_map` must be a dict of submodule name to device, "
+            f"got {type(device_map).__name__}. E.g. shard_model(model, {{'encoder': 0, 'decoder': 1}})."
+        )
+    said = f"shard_model(model, {dict(device_map)!r})"
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, _ATTR, None), _Sharding):
+            where = "model" if not name else f"model.{name}"
+            raise SpeedupsError(
+                f"{said}: {where} is already sharded. Sharding twice would stack hooks. "
+                f"Undo first: unshard_model({where}), then shard_model(model, ...) once with the whole map."
+            )
+    if not device_map:
+        raise ValueError(
+            f"{said}: `device_map` is empty, so nothing would be sharded. Name at least one submodule: "
+            f"shard_model(model, {{{_example_name(model)!r}: 0}}), or move the whole model: model.to(device)."
+        )
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key in device_map:
+        _check_key(model, modules, key, said)
+    _check_overlaps(modules, list(device_map), said)
+    shards = {key: _resolve_value(key, value, said) for key, value in device_map.items()}
+    first = next(iter(shards.values())).device
+    compute = first if default_device is None else _resolve(default_device, "default_device")
+    output = None if output_device is None else _resolve(output_device, "output_device")
+    _check_tensors(model, shards, compute, said)
+    devices = {t.device for _, t in _named_tensors(model)}
+    original = next(iter(devices)) if len(devices) == 1 else None
+    return _Sharding(shards, compute, output, original)
+
+
+def _resolve(device: DeviceLike, argument: str) -> torch.device:
+    return resolve_device(device, call="shard_model", argument=argument)
+
+
+def _example_name(model: nn.Module) -> str:
+    return next((name for name, _ in model.named_children()), "encoder")
+
+
+def _check_key(model: nn.Module, modules: dict[str, nn.Module], key: object, said: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(
+            f"{said}: key {key!r} is a {type(key).__name__}; keys are dotted submodule names (str) such as "
+            f"{_example_name(model)!r}. Use shard_model(model, {{{_example_name(model)!r}: 0}})."
+        )
+    if key == "":
+        raise ValueError(
+            f"{said}: the key '' is the model itself, not a submodule. Name submodules, e.g. "
+            f"{{{_example_name(model)!r}: 0}}, or put the whole model on one device: model.to(device)."
+        )
+    if key in modules:
+        return
+    names = [n for n in modules if n]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    shown = ", ".join(repr(n) for n in names[:20])
+    if len(names) > 20:
+        shown += f", ... ({len(names)} names)"
+    fix = close[0] if close else (names[0] if names else "")
+    raise ValueError(
+        f"{said}: {key!r} is not a submodule of {type(model).__name__}. {hint}Keys are dotted names from "
+        f"model.named_modules(): {shown or 'none (this model has no submodules)'}. "
+        f"Use e.g. shard_model(model, {{{fix!r}: 0}})."
+    )
+
+
+def _check_overlaps(modules: dict[str, nn.Module], keys: list[str], said: str) -> None:
+    for i, a in enumerate(keys):
+        for b in keys[i + 1 :]:
+            outer, inner = (a, b) if b.startswith(a + ".") else (b, a)
+            if inner.startswith(outer + "."):
+                raise ValueError(
+                    f"{said}: keys {outer!r} and {inner!r} overlap ({inner!r} lies inside {outer!r}). "
+                    f"Each submodule is placed once. Keep one of them, or map siblings of {inner!r} instead "
+                    f"of {outer!r}: shard_model(model, {{{inner!r}: ..., <its siblings>: ...}})."
+                )
+            if modules[a] is modules[b]:
+                raise ValueError(
+                    f"{said}: keys {a!r} and {b!r} name the same module object (it is registered twice). "
+                    f"A module lives on one device. Keep one key: shard_model(model, {{{a!r}: ...}})."
+                )
+
+
+def _resolve_value(key: str, value: object, said: str) -> _Shard:
+    argument = f"device_map[{key!r}]"
+    if isinstance(value, (list, tuple)):
+        return _Shard(key, _resolve_replicas(key, value, said), replicated=True)
+    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
+        raise TypeError(
+            f"{said}: {argument} is {value!r} ({type(value).__name__}). A device is an int (CUDA index), a "
+            f"string such as 'cuda:0' or 'cpu', a torch.device, or a list of CUDA devices to replicate with "
+            f"nn.DataParallel. E.g. shard_model(model, {{{key!r}: 'cpu'}})."
+        )
+    return _Shard(key, (_resolve(value, argument),), replicated=False)
+
+
+def _resolve_replicas(key: str, value: Sequence[Any], said: str) -> tuple[torch.device, ...]:
+    argument = f"device_map[{key!r}]"
+    if not value:
+        raise ValueError(
+            f"{said}: {argument} is an empty list. A list names the CUDA devices that replicate {key!r} with "
+            f"nn.DataParallel. Give at least one: shard_model(model, {{{key!r}: [0, 1]}}), or one device."
+        )
+    devices: list[torch.device] = []
+    for i, item in enumerate(value):
+        if isinstance(item, (list, tuple)):
+            raise TypeError(f"{said}: {argument}[{i}] is a {type(item).__name__}; lists do not nest.")
+        device = _resolve(item, f"{argument}[{i}]")
+        if device.type != "cuda":
+            raise ValueError(
+                f"{said}: {argument}[{i}] is {str(device)!r}; replicas use nn.DataParallel, which runs on "
+                f"CUDA devices only. Put {key!r} on that one device instead: shard_model(model, "
+                f"{{{key!r}: {str(device)!r}}})."
+            )
+        if device in devices:
+            raise ValueError(
+                f"{said}: {argument} lists {str(device)!r} twice. Each replica needs its own GPU: "
+                f"shard_model(model, {{{key!r}: {sorted({d.index for d in devices} | {device.index})}}})."
+            )
+        devices.append(device)
+    return tuple(devices)
+
+
+def _group(name: str, shards: Mapping[str, _Shard]) -> str | None:
+    return next((key for key in shards if name.startswith(key + ".")), None)
+
+
+def _check_tensors(model: nn.Module, shards: Mapping[str, _Shard], compute: torch.device, said: str) -> None:
+    seen: dict[int, tuple[str, torch.device]] = {}
+    for name, tensor in _named_tensors(model):
+        group = _group(name, shards)
+        target = compute if group is None else shards[group].device
+        if tensor.is_meta and target.type != "meta":
+            raise SpeedupsError(
+                f"{said}: {name!r} is on 'meta', which holds no data, and would move to {str(target)!r}. "
+                f"Map it to 'meta', or materialise the model first: model.to_empty(device=...) and load a "
+                f"state_dict."
+            )
+        first = seen.setdefault(id(tensor), (name, target))
+        if first[1] != target:
+            raise ValueError(
+                f"{said}: {first[0]!r} and {name!r} are the same tensor (tied weights) but would go to "
+                f"{str(first[1])!r} and {str(target)!r}. A tensor lives on one device. Map the modules that "
+                f"share it to the same device, or put them under one key."
+            )
+
+
+# ---------------------------------------------------------------------------------------------- applying
+def _parent(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    parent_name, _, name = key.rpartition(".")
+    return model.get_submodule(parent_name), name
+
+
+def _ties(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Return the (module name, attribute) places of each tensor registered in more than one place."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for name, tensor in _named_tensors(model):
+        owner, _, attr = name.rpartition(".")
+        places.setdefault(id(tensor), []).append((owner, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _apply(model: nn.Module, plan: _Sharding) -> None:
+    # Mapped submodules first, each straight to its device (a model too big for one device never has to fit
+    # on one). Then everything else, with the mapped submodules unhooked from the tree for that one call, so
+    # that nn.Module.to moves exactly the rest (tied tensors were checked to agree).
+    ties = _ties(model)
+    for key, shard in plan.shards.items():
+        model.get_submodule(key).to(shard.device)
+    detached = [(shard, *_parent(model, key), model.get_submodule(key)) for key, shard in plan.shards.items()]
+    for _, parent, name, _ in detached:
+        setattr(parent, name, None)
+    try:
+        model.to(plan.compute_device)
+    finally:
+        for _, parent, name, module in detached:
+            setattr(parent, name, module)
+    # A move that cannot reuse the tensor (cpu to meta, say) makes a new Parameter per module, which would
+    # untie shared weights (plain nn.Module.to does the same); tie them again (they were checked to agree).
+    for (owner, attr), *others in ties:
+        tensor = getattr(model.get_submodule(owner), attr)
+        for other, other_attr in others:
+            setattr(model.get_submodule(other), other_attr, tensor)
+
+    for shard, parent, name, module in detached:
+        target = module
+        if shard.replicated:
+            wrapper = nn.DataParallel(
+                module, device_ids=[d.index for d in shard.devices], output_device=shard.device
+            )
+            setattr(parent, name, wrapper)
+            plan.wrappers.append((parent, name, wrapper))
+            plan.handles.append(_compat.register_state_dict_post_hook(wrapper, _UnwrapStateDict()))
+            plan.handles.append(_compat.register_load_state_dict_pre_hook(wrapper, _WrapStateDict()))
+            target = wrapper
+        plan.handles.append(
+            target.register_forward_pre_hook(_MoveInputs(shard.device), with_kwargs=True, prepend=True)
+        )
+        plan.handles.append(target.register_forward_hook(_MoveOutput(plan.compute_device), with_kwargs=True))
+    root = _RootIO(plan.compute_device, plan.output_device)
+    plan.handles.append(model.register_forward_pre_hook(root.before, with_kwargs=True, prepend=True))
+    plan.handles.append(model.register_forward_hook(root.after, with_kwargs=True))
+    setattr(model, _ATTR, plan)
