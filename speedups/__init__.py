@@ -5,6 +5,7 @@ Composable decorators and context managers, one module per tip; this file only r
 
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.tracking import LossTracker
 
 __version__ = "0.1.0"
@@ -13,8 +14,11 @@ __all__ = [
     "LossTracker",
     "SpeedupsError",
     "SpeedupsWarning",
+    "StepProfiler",
     "__version__",
+    "check",
     "default_device",
+    "profile_steps",
     "resolve_device",
     "to_device",
 ]

@@ -21,8 +21,11 @@ def test_public_names_are_pinned() -> None:
             "LossTracker",
             "SpeedupsError",
             "SpeedupsWarning",
+            "StepProfiler",
             "__version__",
+            "check",
             "default_device",
+            "profile_steps",
             "resolve_device",
             "to_device",
         ]
