@@ -6,12 +6,14 @@ variants alike; results are medians over rounds, reported as ratios to a named b
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# Where charts and the suite's latest.md go; tests point it at a temporary folder.
+RESULTS = Path(os.environ.get("SPEEDUPS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def compare(
@@ -40,7 +42,7 @@ def ratio_table(title: str, seconds: Mapping[str, float], baseline: str, unit: s
     width = max(len(n) for n in seconds)
     lines = [title, f"{'variant':<{width}}  {'time':>12}  ratio to {baseline}"]
     for name, value in seconds.items():
-        lines.append(f"{name:<{width}}  {value:>10.4f} {unit}  {value / base:>6.3f}x")
+        lines.append(f"{name:<{width}}  {value:>10.4g} {unit}  {value / base:>6.3f}x")
     return "\n".join(lines)
 
 

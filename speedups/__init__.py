@@ -5,6 +5,7 @@ Composable decorators and context managers, one module per tip; this file only r
 
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 
@@ -14,8 +15,11 @@ __all__ = [
     "LossTracker",
     "SpeedupsError",
     "SpeedupsWarning",
+    "StepProfiler",
     "__version__",
+    "check",
     "default_device",
+    "profile_steps",
     "resolve_device",
     "shard_model",
     "to_device",

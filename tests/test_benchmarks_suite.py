@@ -1,0 +1,28 @@
+"""The benchmark suite's runner and the profiling benchmark run in quick mode (CI smoke test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests._dist import ROOT
+
+
+def test_suite_runner_quick_mode_runs_profiling_and_writes_results(tmp_path) -> None:
+    env = dict(os.environ, SPEEDUPS_BENCH_RESULTS=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "profiling"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ratio to plain loop" in out.stdout and "profile_steps() overhead" in out.stdout
+    latest = (tmp_path / "latest.md").read_text()
+    assert "## profiling" in latest and "FAILED" not in latest
+    assert (tmp_path / "profiling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_suite_runner_rejects_an_unknown_benchmark() -> None:
+    cmd = [sys.executable, "-m", "benchmarks", "--only", "nope"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "no such benchmark" in out.stderr
