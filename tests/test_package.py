@@ -18,12 +18,22 @@ README = (ROOT / "README.md").read_text()
 def test_public_names_are_pinned() -> None:
     assert sorted(speedups.__all__) == sorted(
         [
+            "DistributedLoader",
             "LossTracker",
             "SpeedupsError",
             "SpeedupsWarning",
             "__version__",
+            "ddp_wrap",
             "default_device",
+            "distributed",
+            "init_distributed",
+            "is_main_process",
+            "load_checkpoint",
+            "rank_zero_only",
+            "rank_zero_print",
             "resolve_device",
+            "save_checkpoint",
+            "seed_everything",
             "to_device",
         ]
     )
