@@ -102,7 +102,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeyp
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(SpeedupsError, match="could not write the checkpoint.*disk full"):
+    with pytest.raises(SpeedupsError, match=r"could not write the checkpoint.*disk full"):
         save_checkpoint(path, model=model, step=2)
     monkeypatch.undo()
     assert load_checkpoint(path, model=nn.Linear(2, 1)) == {"step": 1}
