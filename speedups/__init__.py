@@ -3,7 +3,18 @@
 Composable decorators and context managers, one module per tip; this file only re-exports them.
 """
 
+from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.device import default_device, resolve_device, to_device
+from speedups.distributed import (
+    DistributedLoader,
+    ddp_wrap,
+    distributed,
+    init_distributed,
+    is_main_process,
+    rank_zero_only,
+    rank_zero_print,
+    seed_everything,
+)
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
@@ -12,15 +23,25 @@ from speedups.tracking import LossTracker
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedLoader",
     "LossTracker",
     "SpeedupsError",
     "SpeedupsWarning",
     "StepProfiler",
     "__version__",
     "check",
+    "ddp_wrap",
     "default_device",
+    "distributed",
+    "init_distributed",
+    "is_main_process",
+    "load_checkpoint",
     "profile_steps",
+    "rank_zero_only",
+    "rank_zero_print",
     "resolve_device",
+    "save_checkpoint",
+    "seed_everything",
     "shard_model",
     "to_device",
     "unshard_model",

@@ -38,6 +38,17 @@ class LossTracker:
 
     Epochs: :meth:`end_epoch` appends the current mean to :attr:`history` and starts a new running mean.
 
+    Across ranks (opt-in): ``LossTracker(all_ranks=True)`` makes every read the global weighted mean over all
+    ranks of the process group: one all-reduce of ``(weighted sum, count, non-finite count, updates)`` in
+    float64 at read time, never in :meth:`update`. Ranks may record different numbers of values (an
+    ``even=False`` evaluation loader); the mean weights each value by its ``n``, as one process would.
+    **Every read is then a collective: every rank must read, in the same order** (``compute()``,
+    ``end_epoch()``, ``float()``, formatting, ``state_dict()``), or the reading ranks wait until the process
+    group's timeout. Never read it inside ``if is_main_process():`` or a ``@rank_zero_only`` function: read it
+    on all ranks, then print on one. Without an initialised process group it reads the local values. It is
+    opt-in rather than automatic for exactly that reason: a rank-0-only ``print(tracker)`` must not hang a
+    job.
+
     Example:
         >>> tracker = LossTracker()
         >>> tracker.update(torch.tensor(2.0), n=3)   # a batch of 3 with mean loss 2.0
@@ -48,7 +59,19 @@ class LossTracker:
         ('1.75', 2)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, all_ranks: bool = False) -> None:
+        """Create an empty tracker.
+
+        Args:
+            all_ranks: reads return the global mean over every rank of the process group (each read is then
+                one all-reduce that every rank must join); False reads this process's values only.
+
+        Raises:
+            TypeError: ``all_ranks`` is not a bool.
+        """
+        if not isinstance(all_ranks, bool):
+            raise TypeError(f"LossTracker(all_ranks={all_ranks!r}): expected True or False.")
+        self.all_ranks = all_ranks
         self._state: torch.Tensor | None = None  # on-device [sum, count, nonfinite], created on first use
         self._host = [0.0, 0.0, 0.0]  # the same slots for Python-number updates
         self._updates = 0
@@ -114,20 +137,37 @@ class LossTracker:
     # ------------------------------------------------------------------------------------------- read
     def _totals(self) -> tuple[float, float, float]:
         """Return (weighted sum, count, non-finite count) as Python floats. One sync if on a device."""
+        return self._read()[:3]
+
+    def _read(self) -> tuple[float, float, float, int]:
+        """(weighted sum, count, non-finite count, updates): local, or summed over ranks if ``all_ranks``."""
+        dist = torch.distributed
+        if self.all_ranks and dist.is_available() and dist.is_initialized():
+            # One all-reduce in float64 on the backend's device (CUDA for nccl, CPU for gloo).
+            device = torch.device("cpu")
+            if dist.get_backend() == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            vec = torch.tensor([*self._host, float(self._updates)], dtype=torch.float64, device=device)
+            if self._state is not None:
+                vec[:3] += self._state.to(device=device, dtype=torch.float64)
+            dist.all_reduce(vec)  # collective: every rank must read
+            total, count, nonfinite, updates = vec.tolist()  # the one host-device sync of a read
+            return total, count, nonfinite, int(updates)
         totals = list(self._host)
         if self._state is not None:
             device_totals = self._state.tolist()  # the one host-device sync of a read
             totals = [a + b for a, b in zip(totals, device_totals, strict=True)]
-        return totals[_SUM], totals[_COUNT], totals[_NONFINITE]
+        return totals[_SUM], totals[_COUNT], totals[_NONFINITE], self._updates
 
     def compute(self) -> float:
         """Return the weighted mean of the values recorded since the last reset or epoch end.
 
-        Sync point: one host-device sync (when any value was a device tensor).
+        Sync point: one host-device sync (when any value was a device tensor); with ``all_ranks=True`` and a
+        process group, also one all-reduce that every rank must join.
 
         Returns:
-            ``sum(n_i * value_i) / sum(n_i)`` over the finite values, as a Python float; NaN when every
-            recorded value was non-finite.
+            ``sum(n_i * value_i) / sum(n_i)`` over the finite values (of every rank with ``all_ranks``), as a
+            Python float; NaN when every recorded value was non-finite.
 
         Raises:
             SpeedupsError: nothing was recorded yet, or the total item count is not positive (possible only
@@ -136,18 +176,18 @@ class LossTracker:
         Warns:
             SpeedupsWarning: some values were non-finite and were left out.
         """
-        if self._updates == 0:
+        total, count, nonfinite, updates = self._read()  # collective first, so no rank skips it
+        if updates == 0:
             raise SpeedupsError(
                 "LossTracker.compute(): no value recorded since the last reset. "
                 "Call tracker.update(loss, n) at least once before reading it."
             )
-        total, count, nonfinite = self._totals()
-        return self._mean(total, count, nonfinite)
+        return self._mean(total, count, nonfinite, updates)
 
-    def _mean(self, total: float, count: float, nonfinite: float) -> float:
+    def _mean(self, total: float, count: float, nonfinite: float, updates: int) -> float:
         if nonfinite:
             warnings.warn(
-                f"LossTracker: {int(nonfinite)} of {self._updates} recorded values were NaN or inf and were "
+                f"LossTracker: {int(nonfinite)} of {updates} recorded values were NaN or inf and were "
                 f"left out of the mean. Look for a diverging step (lower the learning rate, clip gradients).",
                 SpeedupsWarning,
                 stacklevel=3,
@@ -179,7 +219,8 @@ class LossTracker:
 
         This is what a tqdm postfix needs: ``bar.set_postfix(loss=f"{tracker:.4f}")``.
         """
-        value = self.compute() if self._updates else math.nan
+        total, count, nonfinite, updates = self._read()  # with all_ranks, every rank joins the collective
+        value = self._mean(total, count, nonfinite, updates) if updates else math.nan
         return format(value, spec or ".4g")
 
     def __str__(self) -> str:
@@ -208,14 +249,21 @@ class LossTracker:
         return mean
 
     def state_dict(self) -> dict[str, Any]:
-        """Return a checkpointable dict of Python numbers (one sync). Restore with :meth:`load_state_dict`."""
-        total, count, nonfinite = self._totals()
+        """Return a checkpointable dict of Python numbers (one sync). Restore with :meth:`load_state_dict`.
+
+        With ``all_ranks=True`` and a process group the totals are the global ones (one all-reduce: every
+        rank must call it, as :func:`~speedups.save_checkpoint` does), so the dict rank 0 writes is the
+        whole job's running mean; loading it puts the totals on rank 0 and zeros on the others, and the
+        global mean continues unchanged.
+        """
+        total, count, nonfinite, updates = self._read()
         return {
             "sum": total,
             "count": count,
             "nonfinite": nonfinite,
-            "updates": self._updates,
+            "updates": updates,
             "history": list(self.history),
+            "all_ranks": self.all_ranks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -225,16 +273,19 @@ class LossTracker:
             ValueError: ``state`` lacks a key or has one this class does not know.
         """
         expected = {"sum", "count", "nonfinite", "updates", "history"}
-        if not isinstance(state, dict) or set(state) != expected:
+        if not isinstance(state, dict) or set(state) - {"all_ranks"} != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"LossTracker.load_state_dict(state): expected a dict with keys {sorted(expected)}, "
                 f"got {got}. Pass what LossTracker.state_dict() returned."
             )
         self.reset()
+        self.history = [float(v) for v in state["history"]]
+        dist = torch.distributed
+        if state.get("all_ranks") and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
         self._host = [float(state["sum"]), float(state["count"]), float(state["nonfinite"])]
         self._updates = int(state["updates"])
-        self.history = [float(v) for v in state["history"]]
 
 
 def _dtype(device: torch.device) -> torch.dtype:

@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+# Worker scripts run under torchrun; importing them (pytest --doctest-modules) would start their job.
+collect_ignore = ["workers"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -48,7 +51,3 @@ def _no_leaked_global_state():
         leaked.append("grad mode")
     if leaked:
         pytest.fail("test leaked " + "; ".join(leaked))
-
-
-# Worker scripts are run by torchrun, not imported by pytest's --doctest-modules collection.
-collect_ignore_glob = ["workers/*"]
