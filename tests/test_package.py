@@ -18,13 +18,19 @@ README = (ROOT / "README.md").read_text()
 def test_public_names_are_pinned() -> None:
     assert sorted(speedups.__all__) == sorted(
         [
+            "AccumulationPlan",
+            "LoaderReport",
             "LossTracker",
             "SpeedupsError",
             "SpeedupsWarning",
             "__version__",
+            "accumulation_plan",
             "default_device",
+            "fast_loader",
+            "find_batch_size",
             "resolve_device",
             "to_device",
+            "tune_loader",
         ]
     )
     for name in speedups.__all__:
