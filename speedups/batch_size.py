@@ -47,7 +47,7 @@ def _is_out_of_memory(error: BaseException) -> bool:
     memory") and of other backends ("... out of memory").
 
     Example:
-        >>> _is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+        >>> _is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
         True
         >>> _is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
         False
@@ -101,7 +101,10 @@ class _Snapshot:
             (p, p.detach().to("cpu", copy=True)) for p in self.params if id(p) not in in_model
         ]
         self.requires_grad = [p.requires_grad for p in self.params]
-        self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in self.params]
+        # the gradient tensors themselves (restored in place, so references to them stay valid) and copies
+        self.grads = [
+            (p.grad, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in self.params
+        ]
         self.training = [(m, m.training) for m in model.modules()]
         self.optimizer_state = None if optimizer is None else _to_cpu_copy(optimizer.state_dict())
         self.rng = get_rng_states()
@@ -116,9 +119,11 @@ class _Snapshot:
             self.model.get_buffer(name).copy_(saved)
         for p, saved in self.outside_values:
             p.copy_(saved)
-        for p, flag, grad in zip(self.params, self.requires_grad, self.grads, strict=True):
+        for p, flag, (grad, grad_copy) in zip(self.params, self.requires_grad, self.grads, strict=True):
             p.requires_grad_(flag)
-            p.grad = None if grad is None else grad.to(device=p.device, copy=True)
+            if grad is not None and grad_copy is not None:
+                grad.copy_(grad_copy)
+            p.grad = grad
         for module, flag in self.training:
             module.training = flag
         if self.optimizer is not None:
@@ -202,7 +207,8 @@ def find_batch_size(
     the model's ``state_dict`` (BatchNorm running statistics and ``num_batches_tracked`` included) and its
     non-persistent buffers, the values of optimizer parameters outside the model, the optimizer's
     ``state_dict`` (step counts, moments, ``param_groups``), every module's train/eval flag, every
-    parameter's ``requires_grad`` and ``.grad`` (None stays None), and the global RNG states (torch CPU, CUDA,
+    parameter's ``requires_grad`` and ``.grad`` (None stays None; a gradient tensor is the same object,
+    refilled in place), and the global RNG states (torch CPU, CUDA,
     MPS, numpy, random). The snapshot lives in host memory, so it takes none of the device memory probed.
     After an out-of-memory error, ``gc.collect()`` and ``torch.cuda.empty_cache()`` release what the failed
     step held.
@@ -236,7 +242,7 @@ def find_batch_size(
         >>> opt = torch.optim.Adam(model.parameters())
         >>> def step(batch_size):
         ...     if batch_size > 40:  # pretend the device holds at most 40 samples
-        ...         raise torch.OutOfMemoryError("out of memory")
+        ...         raise torch.cuda.OutOfMemoryError("out of memory")
         ...     model(torch.randn(batch_size, 4)).sum().backward()
         ...     opt.step()
         >>> find_batch_size(step, model, opt, start=2, mode="binsearch")

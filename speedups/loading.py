@@ -13,6 +13,7 @@ fails early with a message that names it, instead of a ``PicklingError`` in the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -72,7 +73,7 @@ def _cpus_per_process() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, _env.local_world_size()))
+    return cpus // max(1, _env.local_world_size())  # 0 when there are more local processes than CPUs
 
 
 def _start_method(context: object) -> str:
@@ -138,7 +139,8 @@ def fast_loader(
     What changes against ``DataLoader(dataset, batch_size, shuffle=shuffle)``:
 
     - ``num_workers="auto"``: one worker per CPU this process may use (``os.sched_getaffinity``, else
-      ``os.cpu_count()``), divided among the local processes of a distributed job (``LOCAL_WORLD_SIZE``).
+      ``os.cpu_count()``), divided among the local processes of a distributed job (``LOCAL_WORLD_SIZE``);
+      0 when there are more local processes than CPUs.
       An ``IterableDataset`` gets 0 workers under ``"auto"`` (with one :class:`~speedups.SpeedupsWarning`):
       each worker would replay the whole stream unless the dataset shards itself by ``get_worker_info()``;
       pass ``num_workers=N`` when it does.
@@ -226,7 +228,7 @@ def fast_loader(
     kwargs = dict(dataloader_kwargs)
     iterable = isinstance(dataset, IterableDataset)
     if num_workers == "auto":
-        workers = 0 if iterable else _cpus_per_process()
+        workers = 0 if iterable else _cpus_per_process()  # may be 0: fewer CPUs than local processes
         if iterable:
             warnings.warn(
                 "fast_loader(num_workers='auto'): an IterableDataset gets 0 workers, since every worker "
@@ -276,9 +278,10 @@ class LoaderTrial:
         num_workers: worker processes (0: the main process loads).
         pin_memory: batches copied to page-locked memory.
         prefetch_factor: batches each worker loads ahead (None without workers).
-        batches_per_s: measured rate after warm-up (batches per second); 0.0 when nothing was measured.
-        batches: batches the rate is computed from (warm-up and the first third after it excluded).
-        seconds: wall time of the trial, worker start-up and warm-up included.
+        batches_per_s: measured rate after warm-up (batches per second), the better of two runs when the
+            setting was timed twice; 0.0 when nothing was measured.
+        batches: batches that rate is computed from (warm-up and the first third after it excluded).
+        seconds: wall time spent on this setting, worker start-up and warm-up included.
     """
 
     num_workers: int
@@ -467,7 +470,7 @@ def _check_tune_args(loader: object, max_seconds: object, candidates: object) ->
 
 
 def _default_grid(loader: DataLoader[Any]) -> list[int]:
-    most = _cpus_per_process()
+    most = max(1, _cpus_per_process())  # measuring one worker is cheap even on a crowded node
     grid = {0, most, loader.num_workers}
     w = 1
     while w < most:
@@ -499,9 +502,10 @@ def tune_loader(
 ) -> tuple[DataLoader[Any], LoaderReport]:
     """Time a few loader settings on this machine and return a loader rebuilt with the fastest one.
 
-    Each setting (``num_workers``, ``pin_memory``, ``prefetch_factor``) is timed for a share of
-    ``max_seconds``: workers start, a warm-up of ``num_workers * prefetch_factor`` batches (at least 1) is
-    read, then batches are counted until the share is spent. The default grid is 0, 1, 2, 4, ... workers up
+    Each setting (``num_workers``, ``pin_memory``, ``prefetch_factor``) is timed twice, round-robin, for a
+    share of ``max_seconds`` each time, and keeps its better rate (noise from other work only slows a run
+    down): workers start, a warm-up of ``num_workers * prefetch_factor`` batches (at least 1) is read, then
+    batches are counted until the share is spent. The default grid is 0, 1, 2, 4, ... workers up
     to the CPUs this process may use (plus the loader's own count), then ``prefetch_factor=4`` for the
     fastest, then ``pin_memory`` flipped when CUDA is available. Settings within 5% of the fastest count as a
     tie, and a tie goes to fewer workers (less memory, fewer processes).
@@ -522,10 +526,12 @@ def tune_loader(
     Timing reads consecutive indices (not your sampler), on a copy of the generator, and restores the
     global RNG states (torch, numpy, random) afterwards, so the run that follows draws the same numbers.
     A dataset whose ``__getitem__`` itself draws random numbers gets them from each worker's stream
-    instead of the main process's, as with any change of ``num_workers``.
+    instead of the main process's, as with any change of ``num_workers``; state a dataset keeps in itself
+    (its own ``numpy.random.Generator``, a cache) does advance during 0-worker trials.
 
     Under the ``spawn`` and ``forkserver`` start methods, the dataset, ``collate_fn`` and
-    ``worker_init_fn`` are test-pickled first; if one cannot be pickled, only 0 workers is timed and one
+    ``worker_init_fn`` are test-pickled first (into a sink that keeps no bytes; a large in-memory dataset
+    costs about one worker start); if one cannot be pickled, only 0 workers is timed and one
     :class:`~speedups.SpeedupsWarning` names the object. An ``IterableDataset`` keeps its ``num_workers``
     (more workers would each replay the stream unless it shards itself), with one warning saying so;
     only ``pin_memory`` and ``prefetch_factor`` are tuned for it.
@@ -539,7 +545,8 @@ def tune_loader(
         progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
 
     Returns:
-        ``(new_loader, report)``: a plain ``DataLoader``, and a :class:`LoaderReport` (``print`` it).
+        ``(new_loader, report)``: a plain ``DataLoader`` (a subclass of DataLoader is rebuilt as a plain
+        one), and a :class:`LoaderReport` (``print`` it).
 
     Raises:
         TypeError: ``loader`` is not a DataLoader, or an argument has the wrong type.
@@ -625,36 +632,43 @@ def tune_loader(
     if loader.generator is not None:
         timing_generator.set_state(loader.generator.get_state())
     report = LoaderReport(start_method=method)
-    planned = len(plan) + ((any(w > 0 for w, _, _ in plan) + cuda) if extra_phases else 0)
-    bar = _progress(planned, progress)
+    # Each setting is timed twice, round-robin, and keeps its better rate: on a busy machine a burst of
+    # someone else's work slows one run, rarely both.
+    rounds = 2 if len(plan) > 1 or extra_phases else 1
+    runs = rounds * (len(plan) + ((any(w > 0 for w, _, _ in plan) + cuda) if extra_phases else 0))
+    bar = _progress(runs, progress)
+    measured: dict[tuple[int, bool, int | None], LoaderTrial] = {}
     with preserved_rng(loader.generator, *_sampler_generators(loader)):
         sampling = _timing_sampling(loader)
-        done: set[tuple[int, bool, int | None]] = set()
-        i = 0
-        while i < len(plan):
-            setting = plan[i]
+        queue = plan * rounds
+        i = done = 0
+        while i < len(queue):
+            setting = queue[i]
             i += 1
-            if setting in done:
-                continue
-            done.add(setting)
             now = time.perf_counter()
-            if now >= deadline and report.trials:
-                notes.append(f"the time budget ran out before {len(plan) - i + 1} setting(s) could be timed")
+            if now >= deadline and measured:
+                missing = set(queue[i - 1 :]) - set(measured)
+                if missing:
+                    notes.append(f"the time budget ran out before {len(missing)} setting(s) could be timed")
                 break
-            share = max(0.2, (deadline - now) / max(1, planned - len(report.trials)))
+            share = max(0.2, (deadline - now) / max(1, runs - done))
             trial = _time_setting(loader, sampling, setting, share, timing_generator)
-            report.trials.append(trial)
+            done += 1
+            measured[setting] = _better(measured.get(setting), trial)
             if bar is not None:
                 bar.update(1)
-            if extra_phases and i == len(plan):  # refine the fastest worker setting, once each
+            if extra_phases and i == len(queue):  # refine the fastest worker setting, once each
                 extra_phases = False
-                best = max(report.trials, key=lambda t: t.batches_per_s)
+                best = max(measured.values(), key=lambda t: t.batches_per_s)
+                extra: list[tuple[int, bool, int | None]] = []
                 if best.num_workers > 0 and best.prefetch_factor == 2:
-                    plan.append((best.num_workers, best.pin_memory, 4))
+                    extra.append((best.num_workers, best.pin_memory, 4))
                 if cuda:
-                    plan.append((best.num_workers, not best.pin_memory, best.prefetch_factor))
+                    extra.append((best.num_workers, not best.pin_memory, best.prefetch_factor))
+                queue += [e for e in extra if e not in measured] * rounds
         if bar is not None:
             bar.close()
+    report.trials = list(measured.values())
 
     chosen, reason = _choose(report.trials)
     workers, pin, prefetch = chosen
@@ -752,6 +766,14 @@ def _time_setting(
     elapsed = stamps[-1] - stamps[first] if stamps else 0.0
     rate = batches / elapsed if batches > 0 and elapsed > 0 else 0.0
     return LoaderTrial(workers, pin, prefetch, rate, batches, end - start)
+
+
+def _better(old: LoaderTrial | None, new: LoaderTrial) -> LoaderTrial:
+    """Merge two runs of one setting: the better rate (and its batch count), the time of both."""
+    if old is None:
+        return new
+    best = new if new.batches_per_s > old.batches_per_s else old
+    return dataclasses.replace(best, seconds=old.seconds + new.seconds)
 
 
 def _choose(trials: Sequence[LoaderTrial]) -> tuple[tuple[int, bool, int | None], str]:

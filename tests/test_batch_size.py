@@ -13,6 +13,9 @@ from torch import nn
 from speedups import AccumulationPlan, SpeedupsError, accumulation_plan, find_batch_size
 from speedups.batch_size import _is_out_of_memory
 
+# torch.OutOfMemoryError is newer (2.5) than torch.cuda.OutOfMemoryError, which is now an alias of it.
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
 
 class Net(nn.Module):
     """Linear - BatchNorm - ReLU - Dropout - Linear, with a frozen embedding-like parameter."""
@@ -52,6 +55,7 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
         "training": [m.training for m in model.modules()],
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "grad_objects": [p.grad for p in model.parameters()],
         "params": list(model.parameters()),
         "torch_rng": torch.get_rng_state(),
         "numpy_rng": np.random.get_state(),
@@ -80,8 +84,8 @@ def _assert_equal(a: object, b: object, where: str = "") -> None:
 def _assert_restored(before: dict, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     after = _state(model, opt)
     for key in before:
-        if key == "params":  # the same Parameter objects, so the optimizer still updates the model
-            assert all(x is y for x, y in zip(before[key], after[key], strict=True))
+        if key in ("params", "grad_objects"):  # the same objects: references held elsewhere stay valid
+            assert all(x is y for x, y in zip(before[key], after[key], strict=True)), key
         else:
             _assert_equal(before[key], after[key], key)
 
@@ -93,13 +97,13 @@ def _probe(model: Net, opt: torch.optim.Optimizer, limit: int, log: list[tuple[i
         model.train()  # a careless probe switches modes
         model.body[0].weight.requires_grad_(False)
         if batch_size > limit and batch_size == 1:  # BatchNorm cannot train on one sample: fail first
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+            raise OOM("CUDA out of memory. Tried to allocate 1 GiB")
         x = torch.randn(batch_size, 6)
         np.random.rand(), random.random()
         loss = model(x).pow(2).mean()  # BatchNorm statistics move here, before the failure
         if batch_size > limit:
             log.append((batch_size, False))
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch_size} GiB")
+            raise OOM(f"CUDA out of memory. Tried to allocate {batch_size} GiB")
         loss.backward()
         opt.step()
         log.append((batch_size, True))
@@ -170,7 +174,7 @@ def test_cpu_allocator_error_counts_as_out_of_memory() -> None:
 
     assert find_batch_size(step, model, opt, start=4) == 16
     assert _is_out_of_memory(RuntimeError("not enough memory: you tried to allocate 1 GB"))
-    assert _is_out_of_memory(torch.cuda.OutOfMemoryError("x"))
+    assert _is_out_of_memory(torch.cuda.OutOfMemoryError("x")) and _is_out_of_memory(OOM("x"))
     assert not _is_out_of_memory(RuntimeError("Expected more than 1 value per channel"))
     assert not _is_out_of_memory(MemoryError())  # Python's own: not the allocator
 

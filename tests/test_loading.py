@@ -195,8 +195,9 @@ def test_prefetch_keeps_four_batches_in_flight(monkeypatch: pytest.MonkeyPatch) 
     assert fast_loader(list(range(4)), 2, num_workers=2).prefetch_factor == 2
     assert fast_loader(list(range(4)), 2, num_workers=0).prefetch_factor is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # less than one CPU each: still one worker
-    assert fast_loader(list(range(4)), 2).num_workers == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # less than one CPU each: no workers, no worker settings
+    loader = fast_loader(list(range(4)), 2, prefetch_factor=4, multiprocessing_context="spawn")
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
 
 
 def test_auto_zero_workers_drops_worker_only_settings() -> None:
@@ -358,6 +359,17 @@ def test_choice_prefers_fewer_workers_within_five_percent() -> None:
     assert (workers, prefetch) == (2, 2) and "within 5%" in reason
     (workers, _, _), reason = _choose([*trials, LoaderTrial(8, False, 2, 40.0, 9, 1)])
     assert workers == 8 and reason.startswith("fastest")
+
+
+def test_progress_bar_appears_only_after_a_second() -> None:
+    from speedups.loading import _progress
+
+    bar = _progress(3, True)
+    try:
+        assert bar is not None and bar.delay == 1.0 and bar.total == 3
+    finally:
+        bar.close()
+    assert _progress(3, False) is None
 
 
 def test_default_grid_stays_within_max_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
