@@ -3,6 +3,7 @@
 Composable decorators and context managers, one module per tip; this file only re-exports them.
 """
 
+from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.device import default_device, resolve_device, to_device
 from speedups.distributed import (
@@ -16,6 +17,7 @@ from speedups.distributed import (
     seed_everything,
 )
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.loading import LoaderReport, fast_loader, tune_loader
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
@@ -23,16 +25,21 @@ from speedups.tracking import LossTracker
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationPlan",
     "DistributedLoader",
+    "LoaderReport",
     "LossTracker",
     "SpeedupsError",
     "SpeedupsWarning",
     "StepProfiler",
     "__version__",
+    "accumulation_plan",
     "check",
     "ddp_wrap",
     "default_device",
     "distributed",
+    "fast_loader",
+    "find_batch_size",
     "init_distributed",
     "is_main_process",
     "load_checkpoint",
@@ -44,5 +51,6 @@ __all__ = [
     "seed_everything",
     "shard_model",
     "to_device",
+    "tune_loader",
     "unshard_model",
 ]

@@ -18,16 +18,21 @@ README = (ROOT / "README.md").read_text()
 def test_public_names_are_pinned() -> None:
     assert sorted(speedups.__all__) == sorted(
         [
+            "AccumulationPlan",
             "DistributedLoader",
+            "LoaderReport",
             "LossTracker",
             "SpeedupsError",
             "SpeedupsWarning",
             "StepProfiler",
             "__version__",
+            "accumulation_plan",
             "check",
             "ddp_wrap",
             "default_device",
             "distributed",
+            "fast_loader",
+            "find_batch_size",
             "init_distributed",
             "is_main_process",
             "load_checkpoint",
@@ -39,6 +44,7 @@ def test_public_names_are_pinned() -> None:
             "seed_everything",
             "shard_model",
             "to_device",
+            "tune_loader",
             "unshard_model",
         ]
     )

@@ -1,0 +1,141 @@
+"""Tips 1-2 benchmark: batches/s with 0 workers, a manual grid of worker counts, and tune_loader's choice.
+
+The dataset's ``__getitem__`` costs about 1 ms of CPU work (decompress an image, random crop and flip, a
+per-pixel jitter loop: decode-and-augment style); the model is light (one linear layer, SGD), so loading is
+the bottleneck, as it is for a GPU fed by a CPU pipeline. Every variant runs whole epochs of the same
+shuffled data with the same training step, interleaved round-robin in one run (benchmarks/_timing.py).
+
+    python -m benchmarks.loading            # full run, writes benchmarks/results/loading.png
+    python -m benchmarks.loading --quick    # a few seconds: smoke mode, small sizes, no chart
+
+Targets on 2 cores: the tuned loader >= 0.9x the best of the grid and >= 1.7x the num_workers=0 loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
+from speedups import fast_loader, tune_loader
+
+SIDE = 32
+
+
+class DecodeAugment(Dataset):
+    """Items are (3, 32, 32) float32 images and an int64 label; each costs about ``ms`` of CPU work."""
+
+    def __init__(self, n: int, ms: float = 1.0) -> None:
+        rng = np.random.default_rng(0)
+        raw = rng.integers(0, 256, size=(3, SIDE + 4, SIDE + 4), dtype=np.uint8)
+        self.blob = zlib.compress(raw.tobytes(), 6)
+        self.n = n
+        # calibrate the per-pixel loop so one item costs about `ms` milliseconds on this machine
+        self.jitter = 2000
+        start = time.perf_counter()
+        for i in range(20):
+            self[i]
+        per_item = (time.perf_counter() - start) / 20
+        self.jitter = max(1, int(self.jitter * (ms / 1000) / per_item))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img = np.frombuffer(zlib.decompress(self.blob), dtype=np.uint8).reshape(3, SIDE + 4, SIDE + 4)
+        rng = np.random.default_rng(i)  # deterministic per item: every loader yields the same data
+        y, x = rng.integers(0, 5, size=2)
+        img = img[:, y : y + SIDE, x : x + SIDE]
+        if rng.random() < 0.5:
+            img = img[:, :, ::-1]
+        flat = img.reshape(-1)
+        acc = 0
+        for k in range(self.jitter):  # per-pixel Python work, as a pure-Python augmentation would do
+            acc = (acc * 31 + int(flat[k % flat.size])) & 0xFFFF
+        out = torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32) / 255.0)
+        return out, int(acc % 10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds, no chart")
+    args = parser.parse_args(argv)
+
+    quick = args.quick
+    # The light model runs on one thread in the main process, as a GPU job's main process mostly waits:
+    # idle intra-op threads would otherwise spin on the cores the workers need (all variants alike).
+    torch.set_num_threads(1)
+    items, batch, rounds = (64, 16, 1) if quick else (768, 32, 5)
+    ms = 0.2 if quick else 1.0
+    grid = [1, 2] if quick else [1, 2, 3, 4]
+    dataset = DecodeAugment(items, ms=ms)
+    model = nn.Linear(3 * SIDE * SIDE, 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loader(workers: int) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    started = time.perf_counter()
+    base = fast_loader(dataset, batch, shuffle=True, seed=0)  # num_workers="auto", persistent workers
+    tuned, report = tune_loader(base, max_seconds=2 if quick else 20, progress=False)
+    tune_seconds = time.perf_counter() - started
+    print(report)
+    print(f"tune_loader took {tune_seconds:.1f} s")
+
+    loaders = {"num_workers=0": loader(0)}
+    loaders.update({f"num_workers={w}": loader(w) for w in grid})
+    loaders["tune_loader"] = tuned
+
+    def epoch(dl: DataLoader) -> None:
+        for x, y in dl:
+            loss = F.cross_entropy(model(x.flatten(1)), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+    batches = len(loaders["num_workers=0"])
+    seconds = compare({name: (lambda dl=dl: epoch(dl)) for name, dl in loaders.items()}, rounds=rounds)
+    print(
+        ratio_table(
+            f"seconds per epoch ({batches} batches of {batch}, ~{ms} ms/item)", seconds, "num_workers=0"
+        )
+    )
+
+    rates = {name: batches / s for name, s in seconds.items()}
+    best_name = max((n for n in rates if n.startswith("num_workers=")), key=rates.__getitem__)
+    print(f"\n{'variant':<14}  {'batches/s':>9}  vs num_workers=0")
+    for name, rate in rates.items():
+        print(f"{name:<14}  {rate:>9.1f}  {rate / rates['num_workers=0']:>6.2f}x")
+    chosen = report.chosen["num_workers"]
+    vs_best = rates["tune_loader"] / rates[best_name]
+    vs_zero = rates["tune_loader"] / rates["num_workers=0"]
+    print(
+        f"\ntune_loader chose num_workers={chosen}: {vs_best:.2f}x the best of the grid ({best_name}, "
+        f"target >= 0.9x), {vs_zero:.2f}x num_workers=0 (target >= 1.7x on 2 cores)"
+    )
+    if not quick:
+        path = save_chart(
+            RESULTS / "loading.png",
+            "batches/s relative to num_workers=0",
+            {n: r / rates["num_workers=0"] for n, r in rates.items()},
+            ylabel="speed-up",
+        )
+        print(f"chart: {path}")
+
+
+if __name__ == "__main__":
+    main()

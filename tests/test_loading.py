@@ -1,0 +1,425 @@
+"""fast_loader and tune_loader: defaults, worker seeding, pickling under spawn/forkserver, same batches."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
+
+from speedups import LoaderReport, SpeedupsError, SpeedupsWarning, fast_loader, tune_loader
+from speedups.loading import _seed_worker
+from tests._loading_data import SeedProbe, Squares, Stream, identity_collate, record_init
+
+ROOT = Path(__file__).resolve().parent.parent
+FORK = "fork" in torch.multiprocessing.get_all_start_methods()
+needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
+
+
+def _rows(loader: DataLoader) -> list[tuple[int, ...]]:
+    """The SeedProbe items of one epoch, one tuple per sample."""
+    return [tuple(int(v) for v in item) for batch in loader for item in zip(*batch, strict=True)]
+
+
+def _expected_streams(seed: int) -> tuple[np.random.RandomState, random.Random]:
+    """The numpy and random streams speedups derives from a worker's torch seed."""
+    return np.random.RandomState(np.random.SeedSequence(seed).generate_state(4)), random.Random(
+        f"speedups-worker-{seed}"
+    )
+
+
+# ------------------------------------------------------------------------------------------ A6 and pickling
+def test_a6_as_written_is_rejected_by_torch_itself() -> None:
+    """The case's loader needs num_workers > 0 to carry a multiprocessing_context; the tests use 2."""
+    with pytest.raises(ValueError, match="multiprocessing_context"):
+        DataLoader(list(range(8)), batch_size=2, collate_fn=lambda b: b, multiprocessing_context="spawn")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a6_unpicklable_collate_stays_at_zero_workers_with_one_warning(method: str) -> None:
+    loader = DataLoader(
+        list(range(8)), batch_size=2, collate_fn=lambda b: b, num_workers=2, multiprocessing_context=method
+    )
+    with pytest.warns(SpeedupsWarning, match=r"collate_fn=<function .*lambda.*staying at 0 workers") as rec:
+        tuned, report = tune_loader(loader, max_seconds=1)
+    assert len([w for w in rec if issubclass(w.category, SpeedupsWarning)]) == 1
+    assert list(tuned) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tuned.num_workers == 0 and tuned.multiprocessing_context is None
+    assert report.trials and all(t.num_workers == 0 for t in report.trials)
+    assert "cannot be pickled" in report.reason
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("culprit", ["dataset", "collate_fn", "worker_init_fn"])
+def test_fast_loader_names_the_unpicklable_object_before_any_worker(method: str, culprit: str) -> None:
+    class LocalDataset(Dataset):  # a local class cannot be pickled
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    kwargs: dict = {"collate_fn": identity_collate, "worker_init_fn": record_init}
+    dataset: object = list(range(4))
+    if culprit == "dataset":
+        dataset = LocalDataset()
+    else:
+        kwargs[culprit] = lambda *a: a
+    with pytest.raises(SpeedupsError, match=rf"fast_loader\({culprit}=.*'{method}'.*num_workers=0"):
+        fast_loader(dataset, 2, num_workers=2, multiprocessing_context=method, **kwargs)
+
+
+@needs_fork
+def test_fork_does_not_pickle_so_a_lambda_collate_gets_workers() -> None:
+    loader = fast_loader(
+        list(range(8)), 2, num_workers=2, collate_fn=lambda b: b, multiprocessing_context="fork"
+    )
+    assert loader.num_workers == 2
+    assert list(loader) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_picklable_code_under_forkserver_may_get_workers() -> None:
+    loader = DataLoader(Squares(64), batch_size=8, num_workers=1, multiprocessing_context="forkserver")
+    tuned, report = tune_loader(
+        loader, max_seconds=4, candidates=[{"num_workers": 0}, {"num_workers": 1}], progress=False
+    )
+    one = [t for t in report.trials if t.num_workers == 1]
+    assert one and one[0].batches > 0  # a forkserver worker really ran
+    assert "pickled" not in report.reason
+    assert [b.tolist() for b in tuned] == [b.tolist() for b in DataLoader(Squares(64), batch_size=8)]
+
+
+def test_installed_worker_init_fn_pickles() -> None:
+    plain = fast_loader(list(range(4)), 2, num_workers=0)
+    wrapped = fast_loader(list(range(4)), 2, num_workers=0, worker_init_fn=record_init)
+    assert plain.worker_init_fn is _seed_worker
+    assert isinstance(wrapped.worker_init_fn, functools.partial)
+    for fn in (plain.worker_init_fn, wrapped.worker_init_fn):
+        assert pickle.loads(pickle.dumps(fn)) is not None
+
+
+# ------------------------------------------------------------------------------------------ worker seeding
+@needs_fork
+@pytest.mark.parametrize("persistent", [True, False])
+def test_worker_streams_are_distinct_across_workers_and_epochs_and_reproducible(persistent: bool) -> None:
+    def two_epochs(**kw: object) -> list[list[tuple[int, ...]]]:
+        loader = fast_loader(
+            SeedProbe(8),
+            2,
+            num_workers=2,
+            multiprocessing_context="fork",
+            persistent_workers=persistent,
+            **kw,
+        )
+        return [_rows(loader), _rows(loader)]
+
+    first = two_epochs(seed=123)
+    assert first == two_epochs(seed=123)  # reproducible from the seed
+    assert first == two_epochs(generator=torch.Generator().manual_seed(123))  # ... or the generator
+    assert first != two_epochs(seed=124)
+    draws = [(row[3], row[4]) for epoch in first for row in epoch]  # (numpy, random) of every item
+    assert len(set(draws)) == len(draws)  # no two items, workers or epochs share a draw
+    for epoch in first:
+        assert {row[1] for row in epoch} == {0, 1}
+    # Every draw comes from speedups' derivation of torch's per-worker seed; persistent workers keep
+    # their seed and continue its streams into the next epoch, others get a new seed each epoch.
+    rows = [row for epoch in first for row in epoch]
+    for seed in {row[2] for row in rows}:
+        mine = [row for row in rows if row[2] == seed]
+        np_rs, py_rs = _expected_streams(seed)
+        assert [r[3] for r in mine] == [int(np_rs.randint(2**31)) for _ in mine]
+        assert [r[4] for r in mine] == [py_rs.getrandbits(31) for _ in mine]
+    seeds = [{r[2] for r in epoch} for epoch in first]
+    if persistent:
+        assert seeds[0] == seeds[1]
+    else:
+        assert seeds[0].isdisjoint(seeds[1])
+
+
+@needs_fork
+def test_users_worker_init_fn_is_called_after_ours() -> None:
+    loader = fast_loader(
+        SeedProbe(4),
+        2,
+        num_workers=2,
+        seed=7,
+        multiprocessing_context="fork",
+        worker_init_fn=functools.partial(record_init, offset=500),
+    )
+    rows = _rows(loader)
+    for r in rows:
+        np_rs, _ = _expected_streams(r[2])
+        init_draw = int(np_rs.randint(2**31))  # the user's init drew first from our seeded stream
+        assert r[6] == (500 + r[1]) * 1000 + init_draw % 1000
+
+
+def test_spawn_workers_run_the_seeding_and_the_users_init() -> None:
+    loader = fast_loader(
+        SeedProbe(4), 2, num_workers=1, seed=3, multiprocessing_context="spawn", worker_init_fn=record_init
+    )
+    rows = _rows(loader)
+    assert [r[0] for r in rows] == [0, 1, 2, 3]
+    np_rs, _ = _expected_streams(rows[0][2])
+    assert rows[0][6] == 100 * 1000 + int(np_rs.randint(2**31)) % 1000
+    assert rows[0][3] == int(np_rs.randint(2**31))
+
+
+# ------------------------------------------------------------------------------------- fast_loader defaults
+def test_auto_workers_use_affinity_divided_by_local_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    loader = fast_loader(list(range(16)), 4)
+    assert loader.num_workers == 4
+    assert loader.persistent_workers and loader.prefetch_factor == 2
+    assert loader.pin_memory is torch.cuda.is_available()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    loader = fast_loader(list(range(16)), 4, prefetch_factor=3, persistent_workers=True)
+    assert loader.num_workers == 1 and loader.prefetch_factor == 3  # the user's value wins
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert fast_loader(list(range(16)), 4).num_workers == 6
+
+
+def test_prefetch_keeps_four_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fast_loader(list(range(4)), 2, num_workers=1).prefetch_factor == 4
+    assert fast_loader(list(range(4)), 2, num_workers=2).prefetch_factor == 2
+    assert fast_loader(list(range(4)), 2, num_workers=0).prefetch_factor is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # less than one CPU each: no workers, no worker settings
+    loader = fast_loader(list(range(4)), 2, prefetch_factor=4, multiprocessing_context="spawn")
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
+
+
+def test_auto_zero_workers_drops_worker_only_settings() -> None:
+    with pytest.warns(SpeedupsWarning, match="IterableDataset"):
+        loader = fast_loader(
+            Stream(4), 2, prefetch_factor=4, persistent_workers=True, multiprocessing_context="spawn"
+        )
+    assert loader.num_workers == 0 and not loader.persistent_workers and loader.prefetch_factor is None
+
+
+def test_pin_memory_only_when_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fast_loader(list(range(4)), 2, num_workers=0).pin_memory is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fast_loader(list(range(4)), 2, num_workers=0).pin_memory is False
+    assert fast_loader(list(range(4)), 2, num_workers=0, pin_memory=True).pin_memory is True
+
+
+def test_iterable_dataset_auto_gets_zero_workers_with_a_warning() -> None:
+    with pytest.warns(SpeedupsWarning, match="IterableDataset gets 0 workers"):
+        loader = fast_loader(Stream(5), 2)
+    assert loader.num_workers == 0
+    assert [b.tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0]]
+
+
+def test_same_batches_as_a_plain_dataloader_with_the_same_generator() -> None:
+    mine = fast_loader(Squares(10), 3, shuffle=True, num_workers=0, seed=11)
+    plain = DataLoader(Squares(10), 3, shuffle=True, generator=torch.Generator().manual_seed(11))
+    for a, b in zip(list(mine) + list(mine), list(plain) + list(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, r"fast_loader\(batch_size=0.*at least 1"),
+        ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
+        ({"batch_size": 2, "num_workers": -1}, ValueError, r"num_workers=-1.*>= 0"),
+        ({"batch_size": 2, "num_workers": "many"}, TypeError, "num_workers must be 'auto'"),
+        ({"batch_size": 2, "seed": 1, "generator": torch.Generator()}, ValueError, "both seed and generator"),
+        ({"batch_size": 2, "shuffle": "yes"}, TypeError, "shuffle must be a bool"),
+        ({"batch_size": 2, "workers": 2}, TypeError, r"unknown DataLoader argument\(s\) \['workers'\]"),
+    ],
+)
+def test_fast_loader_bad_input(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        fast_loader(list(range(4)), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ tune_loader
+def _global_rng() -> tuple:
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+def _assert_same_rng(before: tuple, after: tuple) -> None:
+    assert torch.equal(before[0], after[0])
+    assert np.array_equal(before[1], after[1])
+    assert before[2] == after[2]
+
+
+class NoisySquares(Squares):
+    """Draws from the global RNGs in __getitem__ (as augmentation does) but returns deterministic data."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        torch.rand(()), np.random.rand(), random.random()
+        return super().__getitem__(i)
+
+
+def _make(kind: str, generator: torch.Generator) -> DataLoader:
+    ds = NoisySquares(23)
+    if kind == "shuffle":
+        return DataLoader(ds, batch_size=4, shuffle=True, generator=generator, drop_last=True)
+    if kind == "batch_sampler":
+        sampler = BatchSampler(RandomSampler(ds, generator=generator), batch_size=5, drop_last=False)
+        return DataLoader(ds, batch_sampler=sampler)
+    if kind == "no_batching":
+        return DataLoader(ds, batch_size=None, shuffle=True, generator=generator)
+    return DataLoader(ds, batch_size=4)  # sequential
+
+
+def _three_epochs(loader: DataLoader, g: torch.Generator) -> list[list[float]]:
+    torch.manual_seed(9)
+    g.manual_seed(5)
+    return [b.tolist() for _ in range(3) for b in loader]
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "batch_sampler", "no_batching", "sequential"])
+def test_tuned_loader_yields_the_same_batches_in_the_same_order(kind: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    loader = _make(kind, g)
+    g.manual_seed(5)
+    g_state, rng = g.get_state(), _global_rng()
+    candidates = [{"num_workers": 0}, {"num_workers": 2, "prefetch_factor": 3}] if FORK else None
+    tuned, report = tune_loader(loader, max_seconds=1.5, candidates=candidates, progress=False)
+    assert torch.equal(g.get_state(), g_state)  # timing did not consume the user's generator
+    _assert_same_rng(rng, _global_rng())  # nor the global RNGs, though __getitem__ draws from them
+    assert isinstance(report, LoaderReport) and len(report.trials) >= 1
+    variants = [tuned]
+    for workers in [0, 2] if FORK else [0]:  # every worker count, not only the fastest
+        variant, other = tune_loader(
+            loader, max_seconds=0.2, candidates=[{"num_workers": workers}], progress=False
+        )
+        assert other.chosen["num_workers"] == workers
+        variants.append(variant)
+    expected = _three_epochs(loader, g)
+    for variant in variants:
+        assert _three_epochs(variant, g) == expected, variant.num_workers
+    assert tuned.batch_size == loader.batch_size and tuned.drop_last == loader.drop_last
+    assert tuned.collate_fn is loader.collate_fn and tuned.generator is loader.generator
+
+
+@needs_fork
+def test_persistent_loader_is_not_tuned_down_to_zero_workers_and_keeps_its_order() -> None:
+    loader = fast_loader(Squares(23), 4, shuffle=True, num_workers=2, seed=0, multiprocessing_context="fork")
+    assert loader.persistent_workers
+    tuned, report = tune_loader(loader, max_seconds=1.5, progress=False)
+    assert all(t.num_workers > 0 for t in report.trials) and "0 workers was not timed" in report.reason
+    assert tuned.persistent_workers and tuned.num_workers > 0
+    g = loader.generator
+    assert _three_epochs(tuned, g) == _three_epochs(loader, g)
+    # the reason for the rule: a non-persistent loader would shuffle epochs 2 and 3 differently
+    plain = DataLoader(Squares(23), 4, shuffle=True, num_workers=0, generator=g)
+    assert _three_epochs(plain, g)[6:] != _three_epochs(loader, g)[6:]
+
+
+def test_tuned_loader_keeps_timeout_context_and_init_fn() -> None:
+    if not FORK:
+        pytest.skip("needs fork")
+    loader = DataLoader(
+        Squares(16), 4, num_workers=1, timeout=30, worker_init_fn=record_init, multiprocessing_context="fork"
+    )
+    tuned, report = tune_loader(loader, max_seconds=1, candidates=[{"num_workers": 1}], progress=False)
+    assert tuned.num_workers == 1 and not tuned.persistent_workers and tuned.prefetch_factor == 2
+    assert tuned.timeout == 30 and tuned.worker_init_fn is record_init
+    assert tuned.multiprocessing_context is loader.multiprocessing_context
+    assert report.chosen == {
+        "num_workers": 1,
+        "pin_memory": False,
+        "prefetch_factor": 2,
+        "persistent_workers": False,
+    }
+
+
+def test_report_prints_a_table_with_the_choice_and_why() -> None:
+    loader = DataLoader(Squares(32), batch_size=4)
+    _, report = tune_loader(loader, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
+    text = str(report)
+    assert "num_workers" in text and "batches/s" in text and "<- chosen" in text
+    assert "why: the only setting timed." in text
+    assert report.trials[0].batches_per_s > 0 and report.seconds < 5
+
+
+def test_choice_prefers_fewer_workers_within_five_percent() -> None:
+    from speedups.loading import LoaderTrial, _choose
+
+    trials = [LoaderTrial(0, False, None, 10.0, 9, 1), LoaderTrial(2, False, 2, 30.0, 9, 1)]
+    trials += [LoaderTrial(4, False, 2, 31.0, 9, 1)]
+    (workers, _, prefetch), reason = _choose(trials)
+    assert (workers, prefetch) == (2, 2) and "within 5%" in reason
+    (workers, _, _), reason = _choose([*trials, LoaderTrial(8, False, 2, 40.0, 9, 1)])
+    assert workers == 8 and reason.startswith("fastest")
+
+
+def test_progress_bar_appears_only_after_a_second() -> None:
+    from speedups.loading import _progress
+
+    bar = _progress(3, True)
+    try:
+        assert bar is not None and bar.delay == 1.0 and bar.total == 3
+    finally:
+        bar.close()
+    assert _progress(3, False) is None
+
+
+def test_default_grid_stays_within_max_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # grid: 0 and 1 worker
+    loader = DataLoader(Squares(64), batch_size=8)
+    _, report = tune_loader(loader, max_seconds=2, progress=False)
+    assert {t.num_workers for t in report.trials} <= {0, 1}
+    assert report.seconds < 2 + 1.5  # one started trial may run over by its start-up
+
+
+def test_iterable_dataset_keeps_its_workers_and_says_so() -> None:
+    loader = DataLoader(Stream(10), batch_size=3)
+    with pytest.warns(SpeedupsWarning, match="num_workers is kept at 0"):
+        tuned, report = tune_loader(loader, max_seconds=1, progress=False)
+    assert tuned.num_workers == 0 and all(t.num_workers == 0 for t in report.trials)
+    assert [b.tolist() for b in tuned] == [b.tolist() for b in loader]
+    assert "IterableDataset" in report.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_seconds": 0}, ValueError, r"tune_loader\(max_seconds=0.*positive"),
+        ({"max_seconds": -1}, ValueError, "positive"),
+        ({"max_seconds": math.nan}, ValueError, "finite"),
+        ({"max_seconds": "10"}, TypeError, "number of seconds"),
+        ({"candidates": []}, TypeError, "non-empty list"),
+        ({"candidates": [{"workers": 2}]}, ValueError, "each candidate"),
+        ({"candidates": [{"num_workers": -1}]}, ValueError, ">= 0"),
+        ({"candidates": [{"num_workers": 0, "prefetch_factor": 2}]}, ValueError, "prefetch_factor"),
+    ],
+)
+def test_tune_loader_bad_input(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        tune_loader(DataLoader(list(range(4))), **kwargs)
+
+
+def test_tune_loader_rejects_a_non_loader() -> None:
+    with pytest.raises(TypeError, match=r"expected a torch\.utils\.data\.DataLoader"):
+        tune_loader(TensorDataset(torch.zeros(3)))  # type: ignore[arg-type]
+
+
+def test_benchmark_quick_mode_prints_its_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.loading", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "num_workers=0" in out.stdout and "tune_loader" in out.stdout and "batches/s" in out.stdout
