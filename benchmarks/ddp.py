@@ -60,8 +60,6 @@ def worker(steps: int, width: int, batch: int) -> None:
         torch.distributed.barrier()
     elapsed = time.perf_counter() - start
     rank_zero_print(f"samples_per_s={steps * batch * world / elapsed:.2f}")
-    if world > 1:
-        torch.distributed.destroy_process_group()
 
 
 def _launch(nproc: int, args: list[str]) -> float:
@@ -99,7 +97,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     width = args.width or (64 if args.quick else 1024)
     batch = args.batch or (16 if args.quick else 256)
     if args.worker:
+        from speedups import destroy_distributed
+
         worker(steps, width, batch)
+        destroy_distributed()  # after worker() returned: its DDP model is gone first
         return {}
     rounds = args.rounds or (1 if args.quick else 3)
     job = ["--steps", str(steps), "--width", str(width), "--batch", str(batch)]

@@ -33,6 +33,7 @@ from speedups import (
     LossTracker,
     ddp_wrap,
     default_device,
+    destroy_distributed,
     distributed,
     rank_zero_print,
     seed_everything,
@@ -57,6 +58,12 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device) -
 
 
 def main(argv: list[str] | None = None) -> float:
+    accuracy = train(argv)
+    destroy_distributed()  # speedups: after train() returned, so the DDP model is gone first
+    return accuracy
+
+
+def train(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -89,8 +96,6 @@ def main(argv: list[str] | None = None) -> float:
         rank_zero_print(f"epoch {epoch + 1}: train_loss={train_loss:.4f} test_accuracy={accuracy:.4f}")
 
     rank_zero_print(f"test_accuracy={accuracy:.4f}")  # the line scripts parse
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return accuracy
 
 

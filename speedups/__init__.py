@@ -9,6 +9,7 @@ from speedups.device import default_device, resolve_device, to_device
 from speedups.distributed import (
     DistributedLoader,
     ddp_wrap,
+    destroy_distributed,
     distributed,
     init_distributed,
     is_main_process,
@@ -36,6 +37,7 @@ __all__ = [
     "accumulation_plan",
     "check",
     "ddp_wrap",
+    "destroy_distributed",
     "default_device",
     "distributed",
     "fast_loader",

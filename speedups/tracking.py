@@ -21,6 +21,8 @@ __all__ = ["LossTracker"]
 
 # Slots of the on-device running state: [sum of n * value, sum of n, number of non-finite values].
 _SUM, _COUNT, _NONFINITE = 0, 1, 2
+# Device values are buffered and folded into the running state this many at a time.
+_FOLD_EVERY = 256
 
 
 class LossTracker:
@@ -73,6 +75,8 @@ class LossTracker:
             raise TypeError(f"LossTracker(all_ranks={all_ranks!r}): expected True or False.")
         self.all_ranks = all_ranks
         self._state: torch.Tensor | None = None  # on-device [sum, count, nonfinite], created on first use
+        self._values: list[torch.Tensor] = []  # detached device values not yet folded into _state
+        self._weights: list[torch.Tensor | float] = []  # their item counts
         self._host = [0.0, 0.0, 0.0]  # the same slots for Python-number updates
         self._updates = 0
         self.history: list[float] = []
@@ -110,29 +114,48 @@ class LossTracker:
                 self._host[_NONFINITE] += 1.0
             return
         if isinstance(value, torch.Tensor):
-            device = value.device if self._state is None else self._state.device
-            v_t = value.detach().reshape(()).to(device=device, dtype=_dtype(device))
+            value = value.detach().reshape(())
+        else:  # a Python loss with a device count: a fill kernel on the count's device, no copy
+            value = torch.full((), float(value), dtype=_dtype(n.device), device=n.device)  # type: ignore[union-attr]
+        self._values.append(value)
+        self._weights.append(n.detach().reshape(()) if isinstance(n, torch.Tensor) else float(n))
+        if len(self._values) >= _FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add the buffered values into the on-device running state: a few kernels, no host-device sync.
+
+        Buffering makes :meth:`update` a detach and a list append; the arithmetic runs here, once per
+        ``_FOLD_EVERY`` updates (and before any read), on whole vectors instead of scalar by scalar.
+        """
+        if not self._values:
+            return
+        device = self._state.device if self._state is not None else self._values[0].device
+        dtype = _dtype(device)
+        values = torch.stack([v.to(device=device, dtype=dtype) for v in self._values])
+        if all(isinstance(w, float) for w in self._weights):
+            weights = _host_to_device(self._weights, device)  # type: ignore[arg-type]
         else:
-            device = n.device if self._state is None else self._state.device  # type: ignore[union-attr]
-            v_t = torch.tensor(float(value), device=device, dtype=_dtype(device))
-        w_t: torch.Tensor | float
-        if isinstance(n, torch.Tensor):
-            w_t = n.detach().reshape(()).to(device=device, dtype=v_t.dtype)
-        else:
-            w_t = float(n)
-        finite = torch.isfinite(v_t)
-        zero = v_t.new_zeros(())
+            weights = torch.stack(
+                [
+                    w.to(device=device, dtype=dtype)
+                    if isinstance(w, torch.Tensor)
+                    else torch.full((), w, dtype=dtype, device=device)
+                    for w in self._weights
+                ]
+            )
+        finite = torch.isfinite(values)
+        zero = values.new_zeros(())
         row = torch.stack(
             [
-                torch.where(finite, v_t * w_t, zero),
-                torch.where(finite, w_t if isinstance(w_t, torch.Tensor) else zero + w_t, zero),
-                (~finite).to(v_t.dtype),
+                torch.where(finite, values * weights, zero).sum(),
+                torch.where(finite, weights, zero).sum(),
+                (~finite).sum().to(dtype),
             ]
         )
-        if self._state is None:
-            self._state = row
-        else:
-            self._state += row
+        self._state = row if self._state is None else self._state + row
+        self._values.clear()
+        self._weights.clear()
 
     # ------------------------------------------------------------------------------------------- read
     def _totals(self) -> tuple[float, float, float]:
@@ -141,6 +164,7 @@ class LossTracker:
 
     def _read(self) -> tuple[float, float, float, int]:
         """(weighted sum, count, non-finite count, updates): local, or summed over ranks if ``all_ranks``."""
+        self._fold()
         dist = torch.distributed
         if self.all_ranks and dist.is_available() and dist.is_initialized():
             # One all-reduce in float64 on the backend's device (CUDA for nccl, CPU for gloo).
@@ -234,6 +258,8 @@ class LossTracker:
     def reset(self) -> None:
         """Forget the running mean (the epoch :attr:`history` is kept). No sync."""
         self._state = None
+        self._values.clear()
+        self._weights.clear()
         self._host = [0.0, 0.0, 0.0]
         self._updates = 0
 
@@ -290,6 +316,14 @@ class LossTracker:
 
 def _dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _host_to_device(numbers: list[float], device: torch.device) -> torch.Tensor:
+    """Copy Python numbers to ``device`` without a host-device sync (pinned memory, non-blocking, on CUDA)."""
+    t = torch.tensor(numbers, dtype=_dtype(device))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _check_value(value: object) -> None:

@@ -29,6 +29,7 @@ def test_public_names_are_pinned() -> None:
             "accumulation_plan",
             "check",
             "ddp_wrap",
+            "destroy_distributed",
             "default_device",
             "distributed",
             "fast_loader",

@@ -37,12 +37,19 @@ def test_a4_tracker_holds_no_graph() -> None:
     gc.collect()
     assert r() is None
     held = [v for v in vars(tracker).values() if isinstance(v, torch.Tensor)]
+    held += [
+        v
+        for lst in vars(tracker).values()
+        if isinstance(lst, list)
+        for v in lst
+        if isinstance(v, torch.Tensor)
+    ]
     assert held and not any(t.requires_grad or t.grad_fn is not None for t in held)
 
 
-def test_hundred_updates_make_no_host_sync() -> None:
-    losses = [torch.rand(()) for _ in range(100)]
-    counts = [torch.tensor(3.0) for _ in range(100)]
+def test_hundreds_of_updates_make_no_host_sync() -> None:
+    losses = [torch.rand(()) for _ in range(600)]  # more than one fold of the buffer (256)
+    counts = [torch.tensor(3.0) for _ in range(600)]
     tracker = LossTracker()
     with SyncCounter() as counter:
         for loss, n in zip(losses, counts, strict=True):
@@ -52,6 +59,23 @@ def test_hundred_updates_make_no_host_sync() -> None:
         mean = tracker.compute()
     assert counter.count <= 1  # .tolist() of the 3-slot state: one device-to-host read
     assert mean == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
+
+
+def test_mean_is_exact_across_buffer_folds() -> None:
+    torch.manual_seed(0)
+    values = torch.rand(700, dtype=torch.float64) * 10
+    counts = torch.randint(1, 9, (700,))
+    tracker = LossTracker()
+    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
+        if i % 3 == 0:
+            tracker.update(v.float(), n=int(n))  # float32 tensor, Python count
+        elif i % 3 == 1:
+            tracker.update(v, n=n)  # float64 tensor, tensor count
+        else:
+            tracker.update(float(v), n=int(n))  # host value
+    expected = (values * counts).sum() / counts.sum()
+    assert tracker.compute() == pytest.approx(expected.item(), rel=1e-6)
+    assert len(tracker) == 700
 
 
 def test_sync_counter_can_see_a_sync() -> None:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from speedups import (
     LossTracker,
     ddp_wrap,
+    destroy_distributed,
     distributed,
     is_main_process,
     load_checkpoint,
@@ -122,4 +123,7 @@ if args.checks:
     train_step()  # the restored optimizer state works
 
 (out / f"rank{rank}.json").write_text(json.dumps(result))
-torch.distributed.destroy_process_group()
+del model, optimizer  # the DDP model must be gone before the process group (see destroy_distributed)
+if args.checks:
+    del sharded, opt
+destroy_distributed()
