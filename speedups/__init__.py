@@ -3,6 +3,7 @@
 Composable decorators and context managers, one module per tip; this file only re-exports them.
 """
 
+from speedups.accumulation import accumulate
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.tracking import LossTracker
@@ -14,6 +15,7 @@ __all__ = [
     "SpeedupsError",
     "SpeedupsWarning",
     "__version__",
+    "accumulate",
     "default_device",
     "resolve_device",
     "to_device",

@@ -22,6 +22,7 @@ def test_public_names_are_pinned() -> None:
             "SpeedupsError",
             "SpeedupsWarning",
             "__version__",
+            "accumulate",
             "default_device",
             "resolve_device",
             "to_device",
