@@ -6,6 +6,7 @@ Composable decorators and context managers, one module per tip; this file only r
 from speedups.accumulation import accumulate
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.precision import mixed_precision
 from speedups.tracking import LossTracker
 
 __version__ = "0.1.0"
@@ -17,6 +18,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "default_device",
+    "mixed_precision",
     "resolve_device",
     "to_device",
 ]

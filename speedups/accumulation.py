@@ -59,6 +59,7 @@ class _Accumulator:
         self.last_step_skipped = False
         self.probe: torch.Tensor | None = None  # checked for finiteness at the last update
         self.losses: list[torch.Tensor] = []  # the open window's detached losses (single process)
+        self.ref_n: Any = 1.0  # single process: the first item count of the window (>= 1)
         self.total_host = 0.0  # items of the open window given as Python numbers
         self.total_device: torch.Tensor | None = None  # ... and as tensors
         self.inv_every = 1.0 / every
@@ -113,7 +114,15 @@ class _Accumulator:
                 if n is None:
                     target = loss if self.every == 1 else loss * self.inv_every
                 else:
-                    target = loss * n
+                    if self.single:
+                        # Relative to the window's first count, so that the backward's magnitude (and an fp16
+                        # GradScaler's headroom) does not grow with the count; undone exactly at the boundary.
+                        # Under DDP every rank must weigh alike, so the weight there is the count itself.
+                        if self.pending == 0:
+                            self.ref_n = _reference_count(n)
+                        target = loss * (n / self.ref_n)
+                    else:
+                        target = loss * n
                     self._add_items(n)
                     if boundary and self.kind != "single":
                         # The global item count, all-reduced while backward runs: the step's one extra
@@ -211,8 +220,8 @@ class _Accumulator:
         averaged = self.world if synced_by_wrapper else 1  # DDP/FSDP2 divide by the world size
         if self.mode == _ITEMS:
             if self.total_device is None:
-                return averaged / self.total_host if self.total_host else math.nan
-            return (averaged / (self.total_device + self.total_host)).float()
+                return averaged * self.ref_n / self.total_host if self.total_host else math.nan
+            return (averaged * self.ref_n / (self.total_device + self.total_host)).float()
         return averaged * self.every / (self.world * self.pending)
 
     def _update(self, synced: bool) -> None:
@@ -246,6 +255,7 @@ class _Accumulator:
         self.total_host = 0.0
         self.total_device = None
         self.losses = []
+        self.ref_n = 1.0
 
     def flush(self) -> None:
         if not self.pending:
@@ -302,6 +312,7 @@ class _Accumulator:
             "grads": grads if self.pending else None,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "losses": [loss.clone() for loss in self.losses],
+            "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,9 +348,16 @@ class _Accumulator:
         self.total_host = float(state["total_host"])
         self.total_device = state["total_device"]
         self.losses = list(state.get("losses", []))
+        self.ref_n = state.get("ref_n", 1.0)
         self.sync_off = False
         if self.kind == "fsdp2":
             self.model.set_requires_gradient_sync(True)  # type: ignore[union-attr,operator]
+
+
+def _reference_count(n: Any) -> Any:
+    if isinstance(n, torch.Tensor):
+        return n.detach().reshape(()).to(_count_dtype(n.device)).clamp_min(1.0)
+    return max(float(n), 1.0)
 
 
 def _count_dtype(device: torch.device) -> torch.dtype:

@@ -24,6 +24,7 @@ def test_public_names_are_pinned() -> None:
             "__version__",
             "accumulate",
             "default_device",
+            "mixed_precision",
             "resolve_device",
             "to_device",
         ]
