@@ -5,9 +5,6 @@ from __future__ import annotations
 import copy
 import itertools
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +12,9 @@ import torch.nn.functional as F
 
 from speedups import SpeedupsError, SpeedupsWarning
 from speedups.accumulation import accumulate
+from tests._bench import run_quick
 from tests._dist import WORKERS, run_torchrun
 from tests._sync_counter import SyncCounter
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _linear_data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,16 +206,9 @@ def test_multi_process_job_without_model_warns(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_benchmark_quick_mode_prints_its_table() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.accumulate", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"hand-written\s+[\d.]+ s\s+1\.000x", out.stdout), out.stdout
-    assert re.search(r"@accumulate\s+[\d.]+ s\s+[\d.]+x", out.stdout), out.stdout
+    stdout = run_quick("accumulate")
+    assert re.search(r"hand-written\s+[\d.]+ s\s+1\.000x", stdout), stdout
+    assert re.search(r"@accumulate\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
 
 
 def test_resume_mid_window_gives_the_same_weights_as_not_stopping() -> None:

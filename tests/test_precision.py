@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import itertools
 import re
-import subprocess
 import sys
 import threading
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -19,8 +17,7 @@ from speedups import SpeedupsError, SpeedupsWarning
 from speedups import precision as precision_module
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests._bench import run_quick
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
@@ -384,16 +381,9 @@ def test_backward_inside_an_accumulate_step_is_an_error() -> None:
 
 
 def test_benchmark_quick_mode_prints_its_table() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.precision", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"fp32\s+[\d.]+ s\s+1\.000x", out.stdout), out.stdout
-    assert re.search(r"auto \(\w+\)\s+[\d.]+ s\s+[\d.]+x", out.stdout), out.stdout
+    stdout = run_quick("precision")
+    assert re.search(r"fp32\s+[\d.]+ s\s+1\.000x", stdout), stdout
+    assert re.search(r"auto \(\w+\)\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
 
 
 @pytest.mark.cuda
