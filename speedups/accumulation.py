@@ -124,7 +124,7 @@ class _Accumulator:
                     else:
                         target = loss * n
                     self._add_items(n)
-                    if boundary and self.kind != "single":
+                    if boundary and self.world > 1:
                         # The global item count, all-reduced while backward runs: the step's one extra
                         # collective, launched before DDP's bucket all-reduces on every rank (same order).
                         count = self._local_count(loss.device)

@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+# Worker scripts run under torchrun; importing them (pytest --doctest-modules) would start their job.
+collect_ignore = ["workers"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

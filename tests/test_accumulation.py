@@ -407,6 +407,36 @@ def test_switching_between_bare_loss_and_num_items_is_an_error() -> None:
     assert train_step.pending == 1
 
 
+class _FakeFSDP2(torch.nn.Linear):
+    """Stands in for an FSDP2 module: all the step looks for is set_requires_gradient_sync."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 1)
+        self.sync_calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.sync_calls.append(requires_gradient_sync)
+
+
+def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
+    X, Y = _linear_data()
+    torch.manual_seed(0)
+    model = _FakeFSDP2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = accumulate(3, opt, model=model)(lambda x, y: (F.mse_loss(model(x), y), len(y)))
+    for i in range(0, 12, 4):
+        train_step(X[i : i + 4], Y[i : i + 4])
+    assert model.sync_calls == [False, True]  # off for calls 1-2, back on for the boundary call
+    _sgd_on(ref, torch.optim.SGD(ref.parameters(), lr=0.1), F.mse_loss(ref(X[:12]), Y[:12]))
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+    train_step(X[:4], Y[:4])
+    assert model.sync_calls == [False, True, False]
+    with pytest.raises(SpeedupsError, match=r"FSDP2 .* drop_last=True"):
+        train_step.flush()
+    assert train_step.pending == 1
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["mean", "items"])
 def test_ddp_equals_the_single_process_reference_with_one_all_reduce_per_step(mode: str) -> None:
