@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 variants["fp16"] = _variant(make, x, y, mixed_precision("fp16", device_type="cuda"), steps)
             variants[auto_name.split("  ")[0]] = _variant(make, x, y, amp, steps)
             seconds = compare(variants, rounds=rounds, warmup=1)
-            heading = f"{device}: {title}, {steps} training steps per sample, median of {rounds} rounds"
+            heading = (
+                f"{device}: {title}, {steps} training steps per sample, median of {rounds} rounds, "
+                f"{torch.get_num_threads()} CPU threads"
+            )
             print(ratio_table(heading, seconds, "fp32"))
             if "[" in auto_name:
                 print("  note: " + auto_name.split("  ", 1)[1])

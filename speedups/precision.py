@@ -319,7 +319,7 @@ def _check_device_type(device_type: object, dtype: object) -> str:
             f"(those torch autocasts), or None for this process's device. E.g. device_type='cuda'."
         )
     if device_type != "cpu":
-        backend = getattr(torch, device_type, None)
+        backend = torch.backends.mps if device_type == "mps" else getattr(torch, device_type, None)
         is_available = getattr(backend, "is_available", None)
         if is_available is None or not is_available():
             raise SpeedupsError(
