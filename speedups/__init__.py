@@ -3,6 +3,7 @@
 Composable decorators and context managers, one module per tip; this file only re-exports them.
 """
 
+from speedups.accumulation import accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.device import default_device, resolve_device, to_device
@@ -19,6 +20,7 @@ from speedups.distributed import (
 )
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.loading import LoaderReport, fast_loader, tune_loader
+from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
@@ -34,17 +36,19 @@ __all__ = [
     "SpeedupsWarning",
     "StepProfiler",
     "__version__",
+    "accumulate",
     "accumulation_plan",
     "check",
     "ddp_wrap",
-    "destroy_distributed",
     "default_device",
+    "destroy_distributed",
     "distributed",
     "fast_loader",
     "find_batch_size",
     "init_distributed",
     "is_main_process",
     "load_checkpoint",
+    "mixed_precision",
     "profile_steps",
     "rank_zero_only",
     "rank_zero_print",

@@ -108,19 +108,25 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
         torch.cuda.set_device(device)
     # torchrun (MASTER_ADDR and MASTER_PORT set): env://, which joins torchrun's own store. SLURM alone: the
     # first node of the job, passed explicitly (no env writes).
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        url = "env://"
-    else:
-        url = f"tcp://{_env.master_addr()}:{_env.master_port()}"
+    init_method = None
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        init_method = f"tcp://{_env.master_addr()}:{_env.master_port()}"
     wait = timedelta(seconds=float(timeout))
-    store, _, _ = next(dist.rendezvous(url, rank=here.rank, world_size=here.world_size, timeout=wait))
-    # torchrun keeps its store across an elastic restart (--max-restarts): the process group's keys of the
-    # attempt that crashed (each rank's address) are still in it, and a restarted rank could read a dead
-    # peer's address and fail with "connection refused". A prefix per attempt keeps the attempts apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"speedups/attempt_{attempt}", store)
+    if attempt != "0":
+        # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the keys of the
+        # attempt that crashed (each rank's address): a restarted rank could read a dead peer's address and
+        # fail with "connection refused". A prefix per attempt keeps the attempts apart.
+        rendezvous = dist.rendezvous(
+            init_method or "env://", rank=here.rank, world_size=here.world_size, timeout=wait
+        )
+        store = dist.PrefixStore(f"speedups/attempt_{attempt}", next(rendezvous)[0])
+        dist.init_process_group(
+            backend=backend, store=store, rank=here.rank, world_size=here.world_size, timeout=wait
+        )
+        return True
     dist.init_process_group(
-        backend=backend, store=store, rank=here.rank, world_size=here.world_size, timeout=wait
+        backend=backend, init_method=init_method, rank=here.rank, world_size=here.world_size, timeout=wait
     )
     return True
 

@@ -25,6 +25,16 @@ def test_train_digits_trains_and_prints_a_parsable_accuracy() -> None:
     assert len(losses) == 2 and losses[1] < losses[0]
 
 
+def test_train_digits_with_accumulation_trains_one_epoch() -> None:
+    out = run_example(
+        "examples/train_digits.py", "--epochs", "1", "--device", "cpu", "--seed", "1", "--accumulate", "2"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr
+    match = re.fullmatch(r"test_accuracy=(\d\.\d{4})", out.stdout.strip().splitlines()[-1])
+    assert match and float(match.group(1)) > 0.5, out.stdout  # one epoch with half the optimizer steps
+
+
 def test_train_digits_mnist_without_files_explains_how_to_get_them(tmp_path: Path) -> None:
     out = run_example("examples/train_digits.py", "--dataset", "mnist", "--data-root", str(tmp_path))
     assert out.returncode != 0

@@ -1,0 +1,144 @@
+"""Benchmark: what ``@accumulate`` costs per micro-step against the hand-written accumulation loop.
+
+A tiny MLP (64-64-10), micro-batches of 32, one CPU thread, accumulation over 4 micro-batches: the time per
+epoch of a few hundred micro-steps is dominated by per-step overhead, which is what a wrapper adds. Variants,
+timed round-robin in the same run: the hand-written loop, the same loop with ``@accumulate``, and, when they
+are installed, Accelerate's ``accumulate`` and Lightning Fabric's ``no_backward_sync``.
+
+    python -m benchmarks.accumulate            # about a minute
+    python -m benchmarks.accumulate --quick    # a few seconds, for the smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
+from speedups.accumulation import accumulate
+
+EVERY = 4
+
+
+def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def hand_written(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    model, opt = _setup()
+
+    def epoch() -> None:
+        for i, (x, y) in enumerate(batches):
+            loss = F.cross_entropy(model(x), y) / EVERY
+            loss.backward()
+            if (i + 1) % EVERY == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return epoch
+
+
+def with_accumulate(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], skip_nonfinite: bool = False
+) -> Callable[[], None]:
+    model, opt = _setup()
+
+    @accumulate(EVERY, opt, skip_nonfinite=skip_nonfinite)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def epoch() -> None:
+        for x, y in batches:
+            train_step(x, y)
+
+    return epoch
+
+
+def with_accelerate(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    from accelerate import Accelerator
+
+    model, opt = _setup()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=EVERY)
+    model, opt = accelerator.prepare(model, opt)
+
+    def epoch() -> None:
+        for x, y in batches:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+
+    return epoch
+
+
+def with_fabric(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, opt = _setup()
+    model, opt = fabric.setup(model, opt)
+
+    def epoch() -> None:
+        for i, (x, y) in enumerate(batches):
+            boundary = (i + 1) % EVERY == 0
+            with fabric.no_backward_sync(model, enabled=not boundary):
+                fabric.backward(F.cross_entropy(model(x), y) / EVERY)
+            if boundary:
+                opt.step()
+                opt.zero_grad()
+
+    return epoch
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
+    parser.add_argument("--steps", type=int, default=400, help="micro-steps per timed epoch")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args(argv)
+    steps, rounds = (40, 2) if args.quick else (args.steps, args.rounds)
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)
+    ]
+    variants = {
+        "hand-written": hand_written(batches),
+        "@accumulate": with_accumulate(batches),
+        "@accumulate(skip_nonfinite=True)": with_accumulate(batches, skip_nonfinite=True),
+    }
+    skipped = []
+    for name, module, make in [
+        ("accelerate", "accelerate", with_accelerate),
+        ("fabric", "lightning", with_fabric),
+    ]:
+        if importlib.util.find_spec(module) is None:
+            skipped.append(f"{name} (not installed)")
+            continue
+        variants[name] = make(batches)
+
+    seconds = compare(variants, rounds=rounds, warmup=1)
+    title = (
+        f"accumulate({EVERY}): MLP 64-64-10, batch 32, {steps} micro-steps per epoch, 1 thread, "
+        f"median of {rounds} rounds"
+    )
+    print(ratio_table(title, seconds, "hand-written"))
+    if skipped:
+        print("skipped: " + ", ".join(skipped))
+    ratios = {name: s / seconds["hand-written"] for name, s in seconds.items()}
+    if not args.quick:
+        print(f"chart: {save_chart(RESULTS / 'accumulate.png', title.split(':')[0], ratios)}")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()

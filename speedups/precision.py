@@ -1,0 +1,375 @@
+"""Tip 7: 16-bit mixed precision (autocast and loss scaling) that composes with ``@accumulate``.
+
+``with mixed_precision():`` runs the forward pass under ``torch.autocast`` in the 16-bit dtype this device is
+fast at, and stays in fp32 (with one warning) where 16-bit would be slower. fp16 owns a
+``torch.amp.GradScaler``; inside an ``@accumulate`` step the step takes that scaler over, scales each
+backward and unscales once per optimizer step, before clipping.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import platform
+import warnings
+from typing import Any, TypeVar
+
+import torch
+import wrapt
+
+from speedups import _env, _step
+from speedups.device import default_device
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = ["mixed_precision"]
+
+F = TypeVar("F")
+
+_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_ALLOWED = "'auto', 'bf16', 'fp16', torch.bfloat16 or torch.float16"
+
+# The open entries of this thread / task, innermost last: (the mixed_precision object, its autocast, token).
+# A ContextVar rather than state on the object, so one object can nest and serve several threads.
+_ENTRIES: contextvars.ContextVar[tuple[list[Any], ...]] = contextvars.ContextVar(
+    "speedups_mixed_precision_entries", default=()
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (x86 AVX-512 BF16 or AMX, Arm BF16), from its feature flags.
+
+    Without it, bf16 matrix work on the CPU is emulated and far slower than fp32 (about 30x measured on an
+    AVX2 machine). Linux: ``/proc/cpuinfo`` flags (``cpuinfo`` replaces the file, for tests). Elsewhere:
+    False (auto stays in fp32).
+    """
+    if cpuinfo is None:
+        if platform.system() != "Linux":
+            return False
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _known_device_types() -> list[str]:
+    return ["cpu", "cuda", "mps", "xpu", "hpu", "mtia", "xla", "privateuseone"]
+
+
+class mixed_precision:  # lowercase like torch.autocast: used as a function/context manager
+    """Run the enclosed forward pass in 16-bit autocast, with loss scaling for fp16.
+
+    A context manager and a decorator. Each ``with`` entry (and each call of a decorated function) creates its
+    own ``torch.autocast``, so one object nests and can be used from several threads at once; nothing about an
+    entry is kept on the object.
+
+    What it saves: on GPUs with tensor cores, 16-bit matmuls and convolutions run several times faster and
+    activations take half the memory. It does not help where the device has no fast 16-bit path: CPUs
+    without native bf16 (emulated bf16 is far slower than fp32), and fp16 on any CPU. ``"auto"`` knows this
+    and stays in fp32 there.
+
+    ``dtype="auto"`` picks bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, bf16 on CPUs
+    with native bf16 (AVX-512 BF16 or AMX), and otherwise stays in fp32 with one
+    :class:`~speedups.SpeedupsWarning` (rank 0 only) saying why. An explicit ``"bf16"`` or ``"fp16"`` is
+    honoured where torch supports it (fp16 on a CPU works, with a CPU GradScaler, but is slow) and raises
+    where torch would silently disable autocast.
+
+    fp16 owns a ``torch.amp.GradScaler`` (:attr:`scaler`). Entered inside an ``@accumulate`` step (stacked
+    under the decorator, or as ``with`` in the step's body), the step takes the scaler over: it scales each
+    backward, unscales once per optimizer step before clipping, and skips the optimizer and scheduler steps
+    on overflow. Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
+
+    Sync points: none in the context. :meth:`step` with fp16: ``GradScaler.step``'s own check for inf/NaN
+    (one host-device sync per optimizer step, as in the PyTorch AMP recipe).
+
+    From: "Mixed Precision Training" (Micikevicius et al., 2018) for fp16 loss scaling; PyTorch's
+    "Automatic Mixed Precision" documentation (``torch.autocast``, ``torch.amp.GradScaler``).
+
+    Args:
+        dtype: ``"auto"``, ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``,
+            ``torch.bfloat16`` or ``torch.float16``.
+        device_type: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``, ...); None: the type of
+            this process's default device.
+        init_scale: the GradScaler's first loss scale (fp16 only). Too high a scale overflows and skips the
+            first steps while the scaler halves it (its calibration); a lower one skips fewer.
+        enabled: False makes the object a true no-op (no autocast, no scaler; a decorated function is
+            returned unchanged; :meth:`backward`/:meth:`step` are plain ``loss.backward()`` and
+            ``optimizer.step()``).
+
+    Raises:
+        TypeError: ``dtype`` or ``device_type`` of the wrong type; decorating a class.
+        ValueError: an unknown dtype (``"fp8"``), a dtype that is not 16-bit floating point
+            (``torch.float32``, ``torch.int8``), an unknown ``device_type``, or a dtype torch cannot autocast
+            to on that device type.
+        SpeedupsError: ``device_type`` names a device this machine does not have.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> with mixed_precision("bf16", device_type="cpu"):
+        ...     out = model(torch.ones(3, 4))
+        >>> out.dtype, model.weight.dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    def __init__(
+        self,
+        dtype: str | torch.dtype = "auto",
+        *,
+        device_type: str | None = None,
+        init_scale: float = 2.0**16,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"mixed_precision(enabled={enabled!r}): expected True or False.")
+        if (
+            isinstance(init_scale, bool)
+            or not isinstance(init_scale, (int, float))
+            or not (0 < init_scale < float("inf"))
+        ):
+            raise ValueError(
+                f"mixed_precision(init_scale={init_scale!r}): expected a positive finite loss scale, "
+                f"e.g. init_scale=2.0**16 (GradScaler's default)."
+            )
+        self.device_type = _check_device_type(device_type, dtype)
+        self.dtype: torch.dtype | None = None
+        """The autocast dtype, or None when the object is a no-op (fp32)."""
+        self.scaler: torch.amp.GradScaler | None = None
+        """The fp16 loss scaler (None for bf16 and fp32)."""
+        self.last_step_skipped = False
+        """Whether the last :meth:`step` skipped the optimizer step (fp16 overflow). No new sync to read."""
+        self.found_inf: torch.Tensor | None = None
+        """After :meth:`step` with fp16: a 0-dim bool device tensor, True if the gradients held inf/NaN."""
+        wanted = _check_dtype(dtype, self.device_type)
+        if not enabled:
+            return
+        if wanted is None:
+            wanted, why = _auto_dtype(self.device_type)
+            if wanted is None:
+                if _env.rank() == 0:
+                    warnings.warn(
+                        f"mixed_precision('auto'): {why}; staying in fp32 (autocast off). Pass "
+                        f"mixed_precision('bf16') to force it anyway, or enabled=False to silence this.",
+                        SpeedupsWarning,
+                        stacklevel=2,
+                    )
+                return
+        else:
+            _check_supported(dtype, wanted, self.device_type)
+        self.dtype = wanted
+        if wanted == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.device_type, init_scale=float(init_scale))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether autocast is on (False for enabled=False and for an "auto" that stayed in fp32)."""
+        return self.dtype is not None
+
+    def __repr__(self) -> str:
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32 (off)"}[self.dtype]
+        return f"mixed_precision({name}, device_type={self.device_type!r})"
+
+    # -------------------------------------------------------------------------------- context manager
+    def __enter__(self) -> mixed_precision:
+        if self.dtype is None:
+            return self
+        if self.scaler is not None:
+            step = _step.current_step.get()
+            if step is not None:
+                step.adopt_scaler(self.scaler)
+        autocast = torch.autocast(self.device_type, dtype=self.dtype)
+        autocast.__enter__()
+        entry: list[Any] = [self, autocast, None]
+        entry[2] = _ENTRIES.set((*_ENTRIES.get(), entry))  # the token that closes this entry
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.dtype is None:
+            return
+        entries = _ENTRIES.get()
+        if not entries or entries[-1][0] is not self:
+            raise SpeedupsError(
+                "mixed_precision.__exit__: this object is not the innermost open mixed_precision context in "
+                "this thread. Close contexts in the reverse order of opening (use `with` blocks)."
+            )
+        _, autocast, token = entries[-1]
+        try:
+            autocast.__exit__(*exc)
+        finally:
+            _ENTRIES.reset(token)
+
+    def __call__(self, fn: F) -> F:
+        """Decorate ``fn`` so that each call runs inside its own entry of this context.
+
+        Raises:
+            TypeError: ``fn`` is a class (decorate its method instead) or not callable.
+        """
+        if inspect.isclass(fn):
+            raise TypeError(
+                f"mixed_precision(...)({fn.__name__}): cannot decorate a class. Decorate its method "
+                f"instead, e.g. `@mixed_precision('bf16')` above `def forward(self, x):`."
+            )
+        if not callable(fn):
+            raise TypeError(f"mixed_precision(...)({fn!r}): expected a function or method to decorate.")
+        if self.dtype is None:
+            return fn
+
+        @wrapt.decorator
+        def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            with self:
+                return wrapped(*args, **kwargs)
+
+        return wrapper(fn)  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------------------- standalone use
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run backward on ``loss``, scaled by the GradScaler with fp16 (plain ``loss.backward()`` otherwise).
+
+        Raises:
+            SpeedupsError: called inside an ``@accumulate`` step (the step runs backward itself: return the
+                loss instead).
+        """
+        if _step.current_step.get() is not None:
+            raise SpeedupsError(
+                "mixed_precision.backward(loss): called inside an @accumulate step, which runs backward "
+                "itself. Return the loss from the step instead."
+            )
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
+        """Unscale once (fp16), clip to ``max_grad_norm`` if given, then step the optimizer or skip it.
+
+        With fp16, ``GradScaler.step`` skips the step when the gradients hold inf/NaN (its own host-device
+        sync) and ``GradScaler.update`` adjusts the scale; :attr:`last_step_skipped` (a bool, no further
+        sync) and :attr:`found_inf` (a device tensor) say what happened. With bf16 or fp32 this is
+        ``optimizer.step()`` after the optional clip. Gradients are not zeroed: call
+        ``optimizer.zero_grad()`` as usual.
+
+        Returns:
+            True when the optimizer really stepped: step your LR scheduler only then.
+
+        Raises:
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"mixed_precision.step(optimizer={type(optimizer).__name__}): expected a "
+                f"torch.optim.Optimizer. Pass the optimizer, e.g. amp.step(optimizer)."
+            )
+        stepped, probe = _step.apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
+        self.last_step_skipped = not stepped
+        self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
+        return stepped
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{"dtype": ..., "scaler": GradScaler state or None}`` for a checkpoint."""
+        return {
+            "dtype": None if self.dtype is None else str(self.dtype),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the loss scale and its growth tracker).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, or holds a scaler state while this object has none.
+        """
+        if not isinstance(state, dict) or set(state) != {"dtype", "scaler"}:
+            raise ValueError(
+                f"mixed_precision.load_state_dict(state): expected the dict of mixed_precision.state_dict() "
+                f"with keys ['dtype', 'scaler'], got {sorted(state) if isinstance(state, dict) else state!r}."
+            )
+        if state["scaler"] is not None:
+            if self.scaler is None:
+                raise ValueError(
+                    f"mixed_precision.load_state_dict(state): the checkpoint has a GradScaler (fp16) but "
+                    f"this object is {self!r}. Create it with mixed_precision('fp16') to resume."
+                )
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _check_device_type(device_type: object, dtype: object) -> str:
+    if device_type is None:
+        return default_device().type
+    said = f"mixed_precision({dtype!r}, device_type={device_type!r})"
+    if not isinstance(device_type, str):
+        raise TypeError(f"{said}: expected a device type string such as 'cuda' or 'cpu', or None.")
+    is_autocast_available = getattr(torch.amp, "is_autocast_available", None)
+    try:
+        available = is_autocast_available is None or bool(is_autocast_available(device_type))
+    except RuntimeError:  # not a device type torch knows at all
+        available = False
+    if not available or device_type not in _known_device_types():
+        raise ValueError(
+            f"{said}: not a device type autocast knows. Allowed: {', '.join(_known_device_types()[:4])} "
+            f"(those torch autocasts), or None for this process's device. E.g. device_type='cuda'."
+        )
+    if device_type != "cpu":
+        backend = torch.backends.mps if device_type == "mps" else getattr(torch, device_type, None)
+        is_available = getattr(backend, "is_available", None)
+        if is_available is None or not is_available():
+            raise SpeedupsError(
+                f"{said}: this machine has no {device_type} device. "
+                f"Use device_type=None (this process's device: {default_device().type})."
+            )
+    return device_type
+
+
+def _check_dtype(dtype: object, device_type: str) -> torch.dtype | None:
+    """The requested 16-bit dtype, or None for "auto"."""
+    said = f"mixed_precision({dtype!r})"
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return None
+        if dtype.lower() in _NAMES:
+            return _NAMES[dtype.lower()]
+        raise ValueError(f"{said}: unknown dtype. Allowed: {_ALLOWED}. E.g. mixed_precision('bf16').")
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+        raise ValueError(
+            f"{said}: autocast to {dtype} is not 16-bit mixed precision (torch would silently disable "
+            f"autocast or run in full precision). Allowed: {_ALLOWED}. For fp32 use enabled=False."
+        )
+    raise TypeError(f"{said}: expected a string or a torch.dtype. Allowed: {_ALLOWED}.")
+
+
+def _check_supported(dtype: object, wanted: torch.dtype, device_type: str) -> None:
+    """Raise where torch would warn and silently disable autocast for this dtype on this device type."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.autocast(device_type, dtype=wanted)  # construction only: no global state changes
+    disabled = [w for w in caught if "disabl" in str(w.message).lower()]
+    if disabled:
+        raise ValueError(
+            f"mixed_precision({dtype!r}, device_type={device_type!r}): torch cannot autocast to {wanted} "
+            f"on {device_type} ({str(disabled[0].message).splitlines()[0]}). Use mixed_precision('auto')."
+        )
+
+
+def _auto_dtype(device_type: str) -> tuple[torch.dtype | None, str]:
+    """The "auto" choice for ``device_type``, and why when it is fp32."""
+    if device_type == "cuda":
+        return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), ""
+    if device_type == "cpu":
+        if _cpu_has_native_bf16():
+            return torch.bfloat16, ""
+        return None, (
+            "this CPU has no native bf16 (no AVX-512 BF16 or AMX), where bf16 autocast is many times slower "
+            "than fp32, and fp16 on a CPU is slower still"
+        )
+    return None, f"'auto' does not choose a 16-bit dtype for {device_type} devices"

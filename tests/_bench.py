@@ -1,0 +1,22 @@
+"""Run a benchmark module in quick mode, as a user runs it (``python -m benchmarks.<topic> --quick``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_quick(topic: str, timeout: float = 180) -> str:
+    """Run ``python -m benchmarks.<topic> --quick`` from the repository root; return its stdout."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{topic}", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout

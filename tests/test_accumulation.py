@@ -1,0 +1,462 @@
+"""@accumulate against hand-written big-batch references: normalisation, flush, DDP, resume, bad input."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speedups import SpeedupsError, SpeedupsWarning
+from speedups.accumulation import accumulate
+from tests._bench import run_quick
+from tests._dist import WORKERS, run_torchrun
+from tests._sync_counter import SyncCounter
+
+
+def _linear_data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _pair(seed: int = 0, lr: float = 0.1) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    return model, torch.optim.SGD(model.parameters(), lr=lr), ref
+
+
+def _sgd_on(ref: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_a1_short_last_window_is_normalised_by_what_it_accumulated() -> None:
+    X, Y = _linear_data()
+    model, opt, ref = _pair()
+    steps: list[int] = []
+    opt.register_step_pre_hook(lambda *_: steps.append(1))
+
+    @accumulate(4, opt)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    for i in range(0, 40, 4):
+        train_step(X[i : i + 4], Y[i : i + 4])
+    train_step.flush()
+    assert len(steps) == 3 and train_step.num_updates == 3 and train_step.step == 10
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    naive = copy.deepcopy(ref)
+    naive_opt = torch.optim.SGD(naive.parameters(), lr=0.1)
+    for start, stop in [(0, 16), (16, 32), (32, 40)]:  # windows of 4, 4 and 2 micro-batches
+        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start:stop]), Y[start:stop]))
+        # the usual mistake: every window divided by 4, so the last one weighs half
+        _sgd_on(naive, naive_opt, F.mse_loss(naive(X[start:stop]), Y[start:stop], reduction="sum") / 16)
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+    off = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), naive.parameters(), strict=True))
+    assert off > 1e-3  # the reference can tell the two apart
+
+
+def test_equal_windows_equal_the_big_batch_with_adam_and_scheduler() -> None:
+    X, Y = _linear_data(96)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+
+    @accumulate(3, opt, scheduler=sched)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    for i in range(0, 96, 8):  # 12 micro-batches of 8: 4 optimizer steps
+        loss = train_step(X[i : i + 8], Y[i : i + 8])
+        assert loss.grad_fn is None and loss.shape == ()
+    for start in range(0, 96, 24):
+        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start : start + 24]), Y[start : start + 24]))
+        ref_sched.step()
+    assert train_step.num_updates == 4 and sched.last_epoch == 4
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=1e-5)
+
+
+def _grads_at_step(opt: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    seen: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(
+        lambda o, *_: seen.append([p.grad.clone() for g in o.param_groups for p in g["params"]])
+    )
+    return seen
+
+
+def test_num_items_unequal_sizes_give_the_big_batch_gradient() -> None:
+    X, Y = _linear_data(29)
+    model, opt, ref = _pair()
+    seen = _grads_at_step(opt)
+
+    @accumulate(4, opt)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return F.mse_loss(model(x), y), len(y)
+
+    bounds = [0, 8, 16, 24, 29]
+    for a, b in itertools.pairwise(bounds):
+        loss, n = train_step(X[a:b], Y[a:b])
+        assert n == b - a and loss.grad_fn is None
+    F.mse_loss(ref(X), Y).backward()  # mean over the 29 samples
+    torch.testing.assert_close(seen[0], [p.grad for p in ref.parameters()], atol=1e-6, rtol=0)
+
+
+def test_num_items_token_counts_give_the_global_token_mean() -> None:
+    g = torch.Generator().manual_seed(3)
+    vocab, dim = 7, 5
+    torch.manual_seed(0)
+    model = torch.nn.Linear(dim, vocab)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = _grads_at_step(opt)
+    # 3 micro-batches of 2 sequences of length 6, with very different numbers of real (non-padding) tokens
+    feats = torch.randn(3, 2, 6, dim, generator=g)
+    targets = torch.randint(0, vocab, (3, 2, 6), generator=g)
+    lengths = torch.tensor([[6, 1], [2, 2], [5, 6]])
+    mask = torch.arange(6) < lengths[..., None]
+
+    @accumulate(3, opt)
+    def train_step(x: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        token_loss = F.cross_entropy(model(x).flatten(0, 1), t.flatten(), reduction="none")
+        n_tokens = m.sum()  # a 0-dim tensor: stays on the device
+        return (token_loss * m.flatten()).sum() / n_tokens, n_tokens
+
+    for i in range(3):
+        train_step(feats[i], targets[i], mask[i])
+    token_loss = F.cross_entropy(ref(feats[mask]), targets[mask])  # mean over all 22 real tokens
+    token_loss.backward()
+    torch.testing.assert_close(seen[0], [p.grad for p in ref.parameters()], atol=1e-6, rtol=0)
+
+
+def test_clipping_applies_once_to_the_normalised_gradient() -> None:
+    X, Y = _linear_data()
+    Y = Y * 10  # large errors: the clip is active
+    model, opt, ref = _pair()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    @accumulate(4, opt, max_grad_norm=0.5)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    for epoch in range(2):
+        for i in range(0, 40, 4):
+            train_step(X[i : i + 4], Y[i : i + 4])
+        train_step.flush()
+        for start, stop in [(0, 16), (16, 32), (32, 40)]:
+            ref_opt.zero_grad()
+            F.mse_loss(ref(X[start:stop]), Y[start:stop]).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            assert norm > 0.5, epoch
+            ref_opt.step()
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+
+
+def test_no_host_sync_by_default_and_one_per_boundary_with_skip_nonfinite() -> None:
+    X, Y = _linear_data()
+    model, opt, _ = _pair()
+    plain = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), torch.tensor(float(len(y)))))
+    with SyncCounter() as counter:
+        for i in range(8):
+            plain(X[i : i + 4], Y[i : i + 4])
+    assert counter.count == 0 and plain.num_updates == 2
+
+    @accumulate(4, opt, skip_nonfinite=True)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.mse_loss(model(x), y), torch.tensor(float(len(y)))
+
+    with SyncCounter() as counter:
+        for i in range(3):
+            train_step(X[i : i + 4], Y[i : i + 4])
+    assert counter.count == 0 and train_step.pending == 3
+    with SyncCounter() as counter:
+        train_step(X[:4], Y[:4])
+    assert counter.count == 1 and train_step.num_updates == 1
+
+
+def test_skip_nonfinite_false_has_no_sync_and_leaves_nan_to_the_user() -> None:
+    X, Y = _linear_data()
+    model, opt, _ = _pair()
+    scale = [1.0]
+    train_step = accumulate(2, opt, skip_nonfinite=False)(lambda x, y: F.mse_loss(model(x), y) * scale[0])
+    with SyncCounter() as counter:
+        for i in range(0, 16, 4):
+            train_step(X[i : i + 4], Y[i : i + 4])
+    assert counter.count == 0 and train_step.num_updates == 2 and train_step.found_inf is None
+    scale[0] = float("nan")
+    train_step(X[:4], Y[:4])
+    train_step(X[:4], Y[:4])  # like the plain loop: the step happens, the parameters become NaN
+    assert train_step.num_updates == 3 and not train_step.last_step_skipped
+    assert all(p.isnan().all() for p in model.parameters())
+
+
+def test_multi_process_job_without_model_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    with pytest.warns(SpeedupsWarning, match=r"no model= was given.*model=model\)"):
+        accumulate(4, opt)
+    monkeypatch.setenv("RANK", "1")  # rank 0 only
+    accumulate(4, opt)
+
+
+def test_benchmark_quick_mode_prints_its_table() -> None:
+    stdout = run_quick("accumulate")
+    assert re.search(r"hand-written\s+[\d.]+ s\s+1\.000x", stdout), stdout
+    assert re.search(r"@accumulate\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
+
+
+def test_resume_mid_window_gives_the_same_weights_as_not_stopping() -> None:
+    X, Y = _linear_data(48)
+
+    def run(stop_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def make_step(m: torch.nn.Module, o: torch.optim.Optimizer):
+            return accumulate(4, o)(lambda x, y: (F.mse_loss(m(x), y), len(y)))
+
+        train_step = make_step(model, opt)
+        sizes = [4, 3, 4, 2, 4, 4, 3, 4, 4, 4, 4, 4]
+        offset = 0
+        for i, n in enumerate(sizes):
+            if i == stop_at:
+                ckpt = copy.deepcopy(
+                    {"model": model.state_dict(), "opt": opt.state_dict(), "step": train_step.state_dict()}
+                )
+                assert ckpt["step"]["pending"] == stop_at % 4 != 0
+                model = torch.nn.Linear(3, 1)  # a fresh process: new objects, loaded from the checkpoint
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+                train_step = make_step(model, opt)
+                train_step.load_state_dict(ckpt["step"])
+            train_step(X[offset : offset + n], Y[offset : offset + n])
+            offset += n
+        train_step.flush()
+        assert train_step.step == len(sizes)
+        return [p.detach().clone() for p in model.parameters()]
+
+    straight = run(None)
+    torch.testing.assert_close(run(6), straight, atol=1e-7, rtol=0)
+    torch.testing.assert_close(run(9), straight, atol=1e-7, rtol=0)
+
+
+def test_load_state_dict_rejects_another_window_size() -> None:
+    model, opt, _ = _pair()
+    a = accumulate(4, opt)(lambda x: model(x).sum())
+    b = accumulate(2, opt)(lambda x: model(x).sum())
+    with pytest.raises(ValueError, match=r"accumulated over 4 .* accumulate\(4, \.\.\.\)"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match=r"expected the dict of train_step\.state_dict"):
+        b.load_state_dict({"step": 1})
+
+
+def test_method_decoration_keeps_signature_and_shares_state() -> None:
+    X, Y = _linear_data()
+    model, opt, ref = _pair()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    class Trainer:
+        def __init__(self, net: torch.nn.Module) -> None:
+            self.net = net
+
+        @accumulate(2, opt)
+        def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """Loss of one micro-batch."""
+            return F.mse_loss(self.net(x), y)
+
+    import inspect
+
+    trainer = Trainer(model)
+    assert list(inspect.signature(Trainer.train_step).parameters) == ["self", "x", "y"]
+    assert Trainer.train_step.__doc__ == "Loss of one micro-batch."
+    for i in range(0, 40, 4):
+        trainer.train_step(X[i : i + 4], Y[i : i + 4])
+        assert trainer.train_step.is_boundary == (i % 8 == 4)
+    assert trainer.train_step.num_updates == Trainer.train_step.num_updates == 5
+    trainer.train_step.flush()  # nothing pending: no-op
+    assert trainer.train_step.num_updates == 5
+    for start in range(0, 40, 8):
+        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start : start + 8]), Y[start : start + 8]))
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+
+
+def test_enabled_false_is_a_plain_step_on_every_call() -> None:
+    X, Y = _linear_data()
+    model, opt, ref = _pair()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    train_step = accumulate(4, opt, scheduler=sched, enabled=False)(lambda x, y: F.mse_loss(model(x), y))
+    for i in range(0, 40, 4):
+        train_step(X[i : i + 4], Y[i : i + 4])
+        assert train_step.is_boundary and train_step.pending == 0
+        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[i : i + 4]), Y[i : i + 4]))
+        ref_sched.step()
+    assert train_step.num_updates == 10
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+
+
+def test_epoch_iterator_flushes_and_refuses_a_straddling_window() -> None:
+    X, Y = _linear_data()
+    model, opt, _ = _pair()
+    train_step = accumulate(4, opt)(lambda x, y: F.mse_loss(model(x), y))
+    batches = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 40, 4)]
+    for x, y in train_step.epoch(batches):
+        train_step(x, y)
+    assert train_step.num_updates == 3 and train_step.pending == 0  # flushed at the end of the loader
+    for x, y in train_step.epoch(batches):
+        train_step(x, y)
+        if train_step.pending == 2:
+            break  # an epoch cut short without flush()
+    with pytest.raises(SpeedupsError, match=r"2 micro-steps of an earlier epoch.*train_step\.flush\(\)"):
+        next(iter(train_step.epoch(batches)))
+    train_step.flush()
+    assert train_step.num_updates == 4
+    assert len(list(train_step.epoch(batches[:1]))) == 1
+
+
+def test_nonfinite_loss_skips_the_window_and_the_scheduler_with_a_warning() -> None:
+    X, Y = _linear_data()
+    model, opt, _ = _pair()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scale = [1.0]
+    train_step = accumulate(2, opt, scheduler=sched, skip_nonfinite=True)(
+        lambda x, y: F.mse_loss(model(x), y) * scale[0]
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(X[:4], Y[:4])
+    scale[0] = float("inf")
+    with pytest.warns(SpeedupsWarning, match="NaN or inf.*skipped"):
+        train_step(X[4:8], Y[4:8])
+    assert train_step.last_step_skipped and bool(train_step.found_inf)
+    assert train_step.num_updates == 0 and sched.last_epoch == 0
+    torch.testing.assert_close(list(model.parameters()), before, atol=0, rtol=0)
+    assert all(p.grad is None for p in model.parameters())  # the bad window is dropped
+    scale[0] = 1.0
+    train_step(X[:4], Y[:4])
+    train_step(X[4:8], Y[4:8])
+    assert not train_step.last_step_skipped and train_step.num_updates == 1 and sched.last_epoch == 1
+
+
+@pytest.mark.parametrize(
+    ("every", "error", "pattern"),
+    [
+        (0, ValueError, r"accumulate\(every=0\): must be at least 1"),
+        (-1, ValueError, r"accumulate\(every=-1\): must be at least 1"),
+        (2.5, TypeError, r"accumulate\(every=2\.5\): expected a positive int"),
+        ("4", TypeError, r"accumulate\(every='4'\): expected a positive int"),
+        (True, TypeError, r"accumulate\(every=True\)"),
+    ],
+)
+def test_bad_every_is_rejected_at_decoration(every: object, error: type, pattern: str) -> None:
+    opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    with pytest.raises(error, match=pattern):
+        accumulate(every, opt)  # type: ignore[arg-type]
+
+
+def test_bad_arguments_are_rejected_at_decoration() -> None:
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"optimizer=.*expected a torch.optim.Optimizer, got list"):
+        accumulate(4, list(model.parameters()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"scheduler=.*step\(\)"):
+        accumulate(4, opt, scheduler=0.5)
+    with pytest.raises(ValueError, match=r"max_grad_norm=0.*positive"):
+        accumulate(4, opt, max_grad_norm=0)
+    with pytest.raises(TypeError, match=r"max_grad_norm='1'"):
+        accumulate(4, opt, max_grad_norm="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model=.*torch.nn.Module"):
+        accumulate(4, opt, model=opt)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (lambda m, x: m(x), ValueError, r"loss of shape \(4, 1\).*return loss.mean\(\)"),
+        (lambda m, x: m(x).sum().detach(), ValueError, "without grad_fn"),
+        (lambda m, x: m(x).sum().item(), TypeError, "returned float"),
+        (lambda m, x: "loss", TypeError, "returned str 'loss'"),
+        (lambda m, x: (m(x).sum(), "4"), TypeError, "num_items='4'"),
+        (lambda m, x: (m(x).sum(), -1), ValueError, "num_items=-1"),
+        (lambda m, x: (m(x).sum(), torch.ones(2)), ValueError, r"num_items of shape \(2,\)"),
+    ],
+)
+def test_bad_step_results_raise_before_gradients_are_touched(make, error: type, pattern: str) -> None:
+    model, opt, _ = _pair()
+    train_step = accumulate(2, opt)(lambda x: make(model, x))
+    with pytest.raises(error, match=pattern):
+        train_step(torch.ones(4, 3))
+    assert all(p.grad is None for p in model.parameters())
+    assert train_step.step == 0 and train_step.pending == 0
+
+
+def test_switching_between_bare_loss_and_num_items_is_an_error() -> None:
+    model, opt, _ = _pair()
+    with_items = [False]
+    train_step = accumulate(4, opt)(lambda x: (model(x).sum(), 4) if with_items[0] else model(x).sum())
+    train_step(torch.ones(4, 3))
+    with_items[0] = True
+    with pytest.raises(SpeedupsError, match=r"returned \(loss, num_items\) after returning a bare loss"):
+        train_step(torch.ones(4, 3))
+    assert train_step.pending == 1
+
+
+class _FakeFSDP2(torch.nn.Linear):
+    """Stands in for an FSDP2 module: all the step looks for is set_requires_gradient_sync."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 1)
+        self.sync_calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.sync_calls.append(requires_gradient_sync)
+
+
+def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
+    X, Y = _linear_data()
+    torch.manual_seed(0)
+    model = _FakeFSDP2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = accumulate(3, opt, model=model)(lambda x, y: (F.mse_loss(model(x), y), len(y)))
+    for i in range(0, 12, 4):
+        train_step(X[i : i + 4], Y[i : i + 4])
+    assert model.sync_calls == [False, True]  # off for calls 1-2, back on for the boundary call
+    _sgd_on(ref, torch.optim.SGD(ref.parameters(), lr=0.1), F.mse_loss(ref(X[:12]), Y[:12]))
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+    train_step(X[:4], Y[:4])
+    assert model.sync_calls == [False, True, False]
+    with pytest.raises(SpeedupsError, match=r"FSDP2 .* drop_last=True"):
+        train_step.flush()
+    assert train_step.pending == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_ddp_equals_the_single_process_reference_with_one_all_reduce_per_step(mode: str) -> None:
+    out = run_torchrun(WORKERS / "accumulate_ddp.py", [mode], nproc=2, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the two ranks' lines may interleave on torchrun's stdout: match each record by its shape
+    record = r"rank=\d to_ref=\S+ between_ranks=\S+ hook_calls=\d+ updates=\d+ grads_left=\d+"
+    lines = sorted(re.findall(record, out.stdout))
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        fields = dict(kv.split("=") for kv in line.split())
+        assert float(fields["to_ref"]) < 1e-6, line  # equals the single-process big-batch reference
+        assert float(fields["between_ranks"]) == 0.0, line  # flushed short windows: ranks identical
+        # 2 epochs x (one full window of 3 + one flushed window of 2): 4 updates, of which only the two
+        # full windows went through DDP's (hooked) all-reduce; every other call ran inside no_sync
+        assert fields["hook_calls"] == "2" and fields["updates"] == "4" and fields["grads_left"] == "0", line
