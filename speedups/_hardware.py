@@ -6,7 +6,7 @@ import functools
 import os
 import platform
 
-__all__ = ["cpu_has_native_bf16", "usable_cpus"]
+__all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "usable_cpus"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -14,21 +14,16 @@ def cpu_has_native_bf16() -> bool:
     """Return True when this CPU computes bf16 natively (x86 AVX-512 BF16 or AMX, Arm BF16).
 
     Without it, bf16 matrix work on the CPU is emulated and far slower than fp32 (about 30x seen on an
-    AVX2 machine). Read from ``/proc/cpuinfo`` flags on Linux, ``sysctl hw.optional.arm.FEAT_BF16`` on macOS.
+    AVX2 machine). Read from ``/proc/cpuinfo`` flags on Linux, ``sysctl hw.optional.arm.FEAT_BF16`` on macOS;
+    False elsewhere.
     """
     system = platform.system()
     if system == "Linux":
         try:
             with open("/proc/cpuinfo") as f:
-                text = f.read()
+                return bf16_in_cpuinfo(f.read())
         except OSError:
             return False
-        flags: set[str] = set()
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                flags.update(value.split())
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     if system == "Darwin":
         import subprocess
 
@@ -40,6 +35,16 @@ def cpu_has_native_bf16() -> bool:
             return False
         return out.stdout.strip() == "1"
     return False
+
+
+def bf16_in_cpuinfo(cpuinfo: str) -> bool:
+    """Whether the ``flags`` (x86) or ``Features`` (Arm) lines of a ``/proc/cpuinfo`` text show bf16."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def usable_cpus() -> int:

@@ -12,11 +12,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ScalerSink", "apply_update", "current_step", "grads_of", "total_norm"]
+__all__ = [
+    "ScalerSink",
+    "active_checker",
+    "apply_update",
+    "current_step",
+    "grads_of",
+    "owned_update",
+    "total_norm",
+]
 
 
 class ScalerSink(Protocol):
@@ -28,6 +36,11 @@ class ScalerSink(Protocol):
 
 
 current_step: ContextVar[ScalerSink | None] = ContextVar("speedups_current_step", default=None)
+
+# While ``speedups.check()`` runs: the checker to which ``@accumulate`` reports the optimizers it steps.
+active_checker: ContextVar[Any] = ContextVar("speedups_active_checker", default=None)
+# True while :func:`apply_update` itself steps the optimizer: that step is the one ``@accumulate`` owns.
+owned_update: ContextVar[bool] = ContextVar("speedups_owned_update", default=False)
 
 
 def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -79,13 +92,19 @@ def apply_update(
     if scaler is None:
         if skip_nonfinite and probe is not None and not math.isfinite(probe.item()):  # host-device sync
             return False, probe
-        optimizer.step()
+        token = owned_update.set(True)
+        try:
+            optimizer.step()
+        finally:
+            owned_update.reset(token)
         return True, probe
     stepped: list[bool] = []
     handle = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+    token = owned_update.set(True)
     try:
         scaler.step(optimizer)  # GradScaler's own sync: skips the step on inf/NaN
     finally:
+        owned_update.reset(token)
         handle.remove()
     scaler.update()
     return bool(stepped), probe

@@ -103,6 +103,9 @@ class _Accumulator:
             self.sync_off = not boundary
         ctx = self.model.no_sync() if self.kind == "ddp" and not boundary else _NULL  # type: ignore[union-attr,operator]
         token = _step.current_step.set(self)
+        checker = _step.active_checker.get()
+        if checker is not None:  # only inside speedups.check(): tell it which optimizer we step
+            checker.watch_accumulated(self.optimizer, self)
         try:
             with ctx:
                 out = wrapped(*args, **kwargs)

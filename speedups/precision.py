@@ -9,9 +9,7 @@ backward and unscales once per optimizer step, before clipping.
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
-import platform
 import warnings
 from typing import Any, TypeVar
 
@@ -19,6 +17,7 @@ import torch
 import wrapt
 
 from speedups import _env, _step
+from speedups._hardware import cpu_has_native_bf16
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -40,30 +39,6 @@ _ALLOWED = "'auto', 'bf16', 'fp16', torch.bfloat16 or torch.float16"
 _ENTRIES: contextvars.ContextVar[tuple[list[Any], ...]] = contextvars.ContextVar(
     "speedups_mixed_precision_entries", default=()
 )
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 natively (x86 AVX-512 BF16 or AMX, Arm BF16), from its feature flags.
-
-    Without it, bf16 matrix work on the CPU is emulated and far slower than fp32 (about 30x measured on an
-    AVX2 machine). Linux: ``/proc/cpuinfo`` flags (``cpuinfo`` replaces the file, for tests). Elsewhere:
-    False (auto stays in fp32).
-    """
-    if cpuinfo is None:
-        if platform.system() != "Linux":
-            return False
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _known_device_types() -> list[str]:
@@ -366,7 +341,7 @@ def _auto_dtype(device_type: str) -> tuple[torch.dtype | None, str]:
     if device_type == "cuda":
         return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), ""
     if device_type == "cpu":
-        if _cpu_has_native_bf16():
+        if cpu_has_native_bf16():
             return torch.bfloat16, ""
         return None, (
             "this CPU has no native bf16 (no AVX-512 BF16 or AMX), where bf16 autocast is many times slower "

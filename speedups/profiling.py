@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 
 import torch
 import wrapt
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from speedups import _step
 from speedups._hardware import cpu_has_native_bf16, usable_cpus
 from speedups._tree import tree_map
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -317,6 +319,8 @@ class StepProfiler:
         self._loss_refs: list[list[weakref.ref[torch.Tensor]]] = []
         self._sampler_epochs: dict[int, int] = {}
         self._hooks: list[Any] = []
+        self._checker_token: Any = None
+        self._accumulated: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._finished = False
 
     # ------------------------------------------------------------------------ context manager / decorator
@@ -324,14 +328,20 @@ class StepProfiler:
         if self.enabled:
             self._start = time.perf_counter()
             self._last_end = self._start
-            if self.debug and self.model is not None:
-                self._install_no_sync_detector(self.model)
+            if self.debug:
+                self._checker_token = _step.active_checker.set(self)
+                self._hooks.append(register_optimizer_step_pre_hook(self._on_optimizer_step))
+                if self.model is not None:
+                    self._install_no_sync_detector(self.model)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._checker_token is not None:
+            _step.active_checker.reset(self._checker_token)
+            self._checker_token = None
 
     def __call__(self, fn: F) -> F:
         """Decorate a step function: each call is one step (``enabled=False``: ``fn`` is returned as is)."""
@@ -463,6 +473,23 @@ class StepProfiler:
             return
         self._warned.add(key)
         warnings.warn(message, SpeedupsWarning, stacklevel=4)
+
+    def watch_accumulated(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Called by ``@accumulate`` inside ``check()``: ``step`` is what steps ``optimizer``."""
+        self._accumulated[optimizer] = step
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        step = self._accumulated.get(optimizer)
+        if step is None or _step.owned_update.get():
+            return
+        self._warn_once(
+            "accumulate-step",
+            f"check(): optimizer.step() was called by hand on an optimizer that @accumulate steps "
+            f"(after micro-step {step.step}, {step.pending} of {step.every} of the window accumulated), "
+            f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
+            f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps on every {step.every}-th "
+            f"call and `train_step.flush()` applies a short last window.",
+        )
 
     def _check_kept_graphs(self) -> None:
         # At the end of step k, the scalars with graphs made during step k-1 should be gone: the loop's

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedups import SpeedupsError, SpeedupsWarning
+from speedups import SpeedupsError, SpeedupsWarning, _hardware
 from speedups import precision as precision_module
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision
@@ -285,23 +285,23 @@ def test_enabled_false_is_a_true_no_op() -> None:
 def test_auto_on_a_cpu_without_native_bf16_stays_fp32_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(precision_module, "_cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(SpeedupsWarning, match=r"no native bf16.*staying in fp32") as record:
         amp = mixed_precision(device_type="cpu")
     assert len(record) == 1 and amp.dtype is None and not amp.enabled and amp.scaler is None
     with amp:
         assert not torch.is_autocast_enabled("cpu")
-    monkeypatch.setattr(precision_module, "_cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
     amp = mixed_precision(device_type="cpu")
     assert amp.dtype == torch.bfloat16 and amp.scaler is None
 
 
 def test_cpu_capability_check_reads_the_flags() -> None:
-    assert precision_module._cpu_has_native_bf16("flags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
-    assert precision_module._cpu_has_native_bf16("flags : fpu amx_bf16 amx_tile\n")
-    assert precision_module._cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
-    assert not precision_module._cpu_has_native_bf16("flags\t\t: fpu sse avx2 avx512f\n")
-    assert not precision_module._cpu_has_native_bf16("")
+    assert _hardware.bf16_in_cpuinfo("flags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert _hardware.bf16_in_cpuinfo("flags : fpu amx_bf16 amx_tile\n")
+    assert _hardware.bf16_in_cpuinfo("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not _hardware.bf16_in_cpuinfo("flags\t\t: fpu sse avx2 avx512f\n")
+    assert not _hardware.bf16_in_cpuinfo("")
 
 
 def test_cpu_capability_check_agrees_with_torch_on_this_machine() -> None:
@@ -313,7 +313,7 @@ def test_cpu_capability_check_agrees_with_torch_on_this_machine() -> None:
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
-    assert precision_module._cpu_has_native_bf16() == bool(is_avx512_bf16() or is_amx())
+    assert _hardware.cpu_has_native_bf16() == bool(is_avx512_bf16() or is_amx())
 
 
 @pytest.mark.parametrize(
