@@ -1,15 +1,18 @@
-"""Overhead of profile_steps() and the cost of a per-step .item() against LossTracker, in one run.
+"""Overhead of profile_steps() and of LossTracker against the plain loop, and the .item() habit, in one run.
 
-    python -m benchmarks.profiling           # full: a few hundred steps per variant
+    python -m benchmarks.profiling           # full: a few hundred steps per variant, two workloads
     python -m benchmarks.profiling --quick   # smoke mode for CI
 
-Prints each variant's time per step and its ratio to the plain loop; writes benchmarks/results/profiling.png.
-Target: profile_steps() (default sampling) within 3% of the plain loop.
+Two workloads, one thread: a tiny MLP (64-64-10, batch 32: ~0.1 ms steps, the worst case for any per-step
+cost) and the example's CNN on 8x8 digits (batch 64: ~1 ms steps, closer to real training). Prints each
+variant's time per step and its ratio to the plain loop; writes benchmarks/results/profiling.png.
+Target: profile_steps() within 3% of the plain loop on realistic steps.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,22 +21,24 @@ from torch import nn
 from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
 from speedups import LossTracker, profile_steps
 
+Batch = tuple[torch.Tensor, torch.Tensor]
 
-def make_loop(steps: int) -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
-    torch.manual_seed(0)
+
+def tiny_mlp(steps: int) -> tuple[nn.Module, list[Batch]]:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(steps)]
-    return model, optimizer, batches
+    return model, [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(steps)]
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    steps, rounds = (60, 3) if args.quick else (400, 9)
-    model, optimizer, batches = make_loop(steps)
+def example_cnn(steps: int) -> tuple[nn.Module, list[Batch]]:
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveMaxPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 128), nn.ReLU(), nn.Linear(128, 10),
+    )  # fmt: skip
+    return model, [(torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))) for _ in range(steps)]
+
+
+def variants(model: nn.Module, batches: list[Batch]) -> dict[str, Callable[[], object]]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(model(x), y)
@@ -52,9 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 step(x, y)
 
     def item_every_step() -> None:
-        losses = []
-        for x, y in batches:
-            losses.append(step(x, y).item())
+        losses = [step(x, y).item() for x, y in batches]
+        del losses
 
     def loss_tracker() -> None:
         tracker = LossTracker()
@@ -62,24 +66,38 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             tracker.update(step(x, y), n=len(y))
         tracker.compute()
 
-    seconds = compare(
-        {
-            "plain loop": plain,
-            "profile_steps()": profiled,
-            "plain + .item() per step": item_every_step,
-            "plain + LossTracker": loss_tracker,
-        },
-        rounds=rounds,
+    return {
+        "plain loop": plain,
+        "profile_steps()": profiled,
+        "plain + .item() per step": item_every_step,
+        "plain + LossTracker": loss_tracker,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    chart: dict[str, float] = {}
+    for name, make, full_steps in [("tiny MLP", tiny_mlp, 400), ("example CNN", example_cnn, 150)]:
+        steps, rounds = (30, 3) if args.quick else (full_steps, 9)
+        model, batches = make(steps)
+        seconds = compare(variants(model, batches), rounds=rounds)
+        per_step = {v: 1e3 * s / steps for v, s in seconds.items()}
+        title = f"{name}, 1 thread, {steps} steps, median of {rounds} rounds"
+        print(ratio_table(title, per_step, "plain loop", unit="ms/step"))
+        overhead = per_step["profile_steps()"] / per_step["plain loop"] - 1
+        extra_us = 1e3 * (per_step["profile_steps()"] - per_step["plain loop"])
+        print(f"profile_steps() overhead on the {name}: {100 * overhead:+.1f}% ({extra_us:+.1f} us/step)\n")
+        for v, ms in per_step.items():
+            chart[f"{name}: {v}"] = ms / per_step["plain loop"]
+    print(
+        "target: < 3% on realistic steps; on a CPU .item() costs little, on a GPU each one stalls the queue."
     )
-    per_step = {name: 1e3 * s / steps for name, s in seconds.items()}
-    print(ratio_table(f"profiling overhead, tiny MLP 64-64-10, batch 32, 1 thread, {steps} steps", per_step,
-                      "plain loop", unit="ms/step"))  # fmt: skip
-    ratios = {name: s / per_step["plain loop"] for name, s in per_step.items()}
-    print(f"profile_steps() overhead: {100 * (ratios['profile_steps()'] - 1):+.1f}% (target < 3%)")
-    print("note: on a CPU .item() costs little; on a GPU each one stalls the launch queue.")
-    chart = save_chart(RESULTS / "profiling.png", "time per step, ratio to the plain loop", ratios)
-    print(f"chart: {chart}")
-    return ratios
+    print(f"chart: {save_chart(RESULTS / 'profiling.png', 'time per step, ratio to the plain loop', chart)}")
+    return chart
 
 
 if __name__ == "__main__":

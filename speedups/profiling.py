@@ -42,6 +42,8 @@ __all__ = ["Advice", "Report", "StepProfiler", "StepRecord", "check", "profile_s
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_NO_MODES: list[Any] = []  # shared by unsampled steps; never appended to
+
 # Tensor calls that read a value into Python: each is a host-device sync on an accelerator.
 _SYNC_CALLS = frozenset(
     {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__format__", "__repr__", "__str__"}
@@ -55,7 +57,7 @@ _MATMUL_CALLS = frozenset(
 )  # fmt: skip
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One profiled step.
 
@@ -275,19 +277,20 @@ class StepProfiler:
     the loader's time as the data wait. ``with prof:`` brackets the run (and removes the debug hooks).
 
     Cost: two ``time.perf_counter()`` calls and a list append per step (plus two CUDA events on a GPU, no
-    sync). Every ``sample_every``-th step (and the first after warm-up) is *sampled*: a ``TorchFunctionMode``
-    counts the calls that read a tensor into Python (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``,
-    ``print(t)``, copies to the CPU), and on a GPU CUDA's sync debug mode
-    (``torch.cuda.set_sync_debug_mode``) also counts the syncs inside torch. A sampled step runs a few
-    times slower, so its time is left out of the means; sampling few steps keeps the overhead of the whole
-    run small (measured in ``benchmarks/profiling.py``; target under 3%).
+    sync): about 5 microseconds a step in a real loop. A few steps are *sampled*: the first after warm-up,
+    then as rarely as keeps their extra cost under 1% of the run (or every ``sample_every``-th step when
+    given). On a sampled step a ``TorchFunctionMode`` counts the calls that read a tensor into Python
+    (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``, ``print(t)``, copies to the CPU), and on a GPU
+    CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode``) also counts the syncs inside torch. A sampled
+    step runs slower, so its time is left out of the means. ``benchmarks/profiling.py`` measures the whole
+    cost against the plain loop.
     """
 
     def __init__(
         self,
         *,
         warmup: int = 1,
-        sample_every: int = 50,
+        sample_every: int | None = None,
         debug: bool = False,
         model: torch.nn.Module | None = None,
         enabled: bool = True,
@@ -297,16 +300,20 @@ class StepProfiler:
                 f"profile_steps(warmup={warmup!r}): warmup is the number of first steps left out of the "
                 f"means and must be an int >= 0, e.g. warmup=1."
             )
-        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
+        if sample_every is not None and (
+            isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1
+        ):
             raise ValueError(
-                f"profile_steps(sample_every={sample_every!r}): must be an int >= 1 (count syncs on every "
-                f"n-th step), e.g. sample_every=50."
+                f"profile_steps(sample_every={sample_every!r}): must be None (sample as rarely as keeps the "
+                f"overhead under 1%) or an int >= 1 (count syncs on every n-th step), e.g. sample_every=50."
             )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"profile_steps(model={model!r}): expected an nn.Module (the DDP-wrapped model).")
         self.enabled = enabled
         self.warmup = warmup
         self.sample_every = 1 if debug else sample_every
+        self._next_sample_at = 0.0  # adaptive sampling: perf_counter time before which no step is sampled
+        self._last_plain_s: float | None = None  # the latest unsampled step's time
         self.debug = debug
         self.model = model
         self.steps: list[StepRecord] = []
@@ -365,7 +372,7 @@ class StepProfiler:
                 finally:
                     open_record.claimed_s += time.perf_counter() - start
             last = self._last_end if self._last_end is not None else start
-            record, modes = self._begin(start - last, _batch_size((args, kwargs)))
+            record, modes = self._begin(start - last, _batch_size((args, kwargs)), start)
             try:
                 return wrapped(*args, **kwargs)
             finally:
@@ -410,7 +417,7 @@ class StepProfiler:
                 first = False
                 if self.debug:
                     self._check_sampler_epoch(iterable)
-            record, modes = self._begin(t1 - t0, _batch_size(batch))
+            record, modes = self._begin(t1 - t0, _batch_size(batch), t1)
             self._open = record
             try:
                 yield batch
@@ -419,17 +426,23 @@ class StepProfiler:
                 self._end(record, t1, modes)
 
     # ------------------------------------------------------------------------------------ step bookkeeping
-    def _begin(self, data_s: float, samples: int | None) -> tuple[StepRecord, list[Any]]:
+    def _begin(self, data_s: float, samples: int | None, now: float) -> tuple[StepRecord, list[Any]]:
         index = len(self.steps)
-        sampled = index >= self.warmup and (index - self.warmup) % self.sample_every == 0
-        record = StepRecord(data_s=data_s, step_s=0.0, samples=samples, sampled=sampled)
+        if index < self.warmup:
+            sampled = False
+        elif self.sample_every is not None:
+            sampled = (index - self.warmup) % self.sample_every == 0
+        else:
+            sampled = now >= self._next_sample_at
+        record = StepRecord(data_s, 0.0, samples, sampled)
         self.steps.append(record)
-        modes: list[Any] = []
+        modes: list[Any] = _NO_MODES
         if torch.cuda.is_initialized():  # cheap flag check; True only once CUDA is in use
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_ev.record()
             record._events = (start_ev, end_ev)
         if sampled:
+            modes = []
             if record._events is not None:
                 record.cache_frees = -_device_frees()
                 debug_mode = torch.cuda.get_sync_debug_mode()
@@ -448,6 +461,13 @@ class StepProfiler:
         end = time.perf_counter()
         record.step_s = end - start if record.claimed_s is None else record.claimed_s
         self._last_end = end
+        if not record.sampled:
+            self._last_plain_s = record.step_s
+        elif self.sample_every is None:
+            # The next sample waits until this one's extra cost is 1% of the time in between (and at least
+            # 10 steps' worth), so sampling never costs more than about 1% of the run.
+            extra = max(record.step_s - (self._last_plain_s or 0.0), 0.0)
+            self._next_sample_at = end + max(100 * extra, 10 * (self._last_plain_s or record.step_s))
         if record._events is not None:
             record._events[1].record()
         for mode in reversed(modes):  # exit in the reverse order of entry
@@ -702,7 +722,7 @@ def profile_steps(
     fn: F | None = None,
     *,
     warmup: int = 1,
-    sample_every: int = 50,
+    sample_every: int | None = None,
     debug: bool = False,
     model: torch.nn.Module | None = None,
     enabled: bool = True,
@@ -722,8 +742,9 @@ def profile_steps(
     Args:
         fn: a step function, when used as a bare decorator.
         warmup: first steps left out of the means (lazy initialisation, autotuning). Default 1.
-        sample_every: count host-device syncs on every n-th step (and the first after warm-up). Sampled
-            steps are slower and left out of the means. Default 50; ``debug=True`` samples every step.
+        sample_every: count host-device syncs on every n-th step after warm-up. Default None: the first
+            step after warm-up, then as rarely as keeps the sampling's extra cost under about 1% of the run.
+            Sampled steps are slower and left out of the means; ``debug=True`` samples every step.
         debug: also run the mistake detectors (see :func:`check`); slower, for a few hundred steps.
         model: the (DDP-wrapped) model, for the ``no_sync`` detector in debug mode.
         enabled: False makes every part a no-op: ``iter`` returns the plain iterator, the decorator

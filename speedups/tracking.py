@@ -114,7 +114,7 @@ class LossTracker:
                 self._host[_NONFINITE] += 1.0
             return
         if isinstance(value, torch.Tensor):
-            value = value.detach().reshape(())
+            value = value.detach() if value.dim() == 0 else value.detach().reshape(())
         else:  # a Python loss with a device count: a fill kernel on the count's device, no copy
             value = torch.full((), float(value), dtype=_dtype(n.device), device=n.device)  # type: ignore[union-attr]
         self._values.append(value)

@@ -16,7 +16,7 @@ def test_suite_runner_quick_mode_runs_profiling_and_writes_results(tmp_path) -> 
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "ratio to plain loop" in out.stdout and "profile_steps() overhead" in out.stdout
+    assert "ratio to plain loop" in out.stdout and "profile_steps() overhead on the example CNN" in out.stdout
     latest = (tmp_path / "latest.md").read_text()
     assert "## profiling" in latest and "FAILED" not in latest
     assert (tmp_path / "profiling.png").read_bytes()[:4] == b"\x89PNG"
