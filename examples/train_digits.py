@@ -131,12 +131,9 @@ def main(argv: list[str] | None = None) -> float:
     model = to_device(SmallCNN(), device)  # speedups
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     tracker = LossTracker()  # speedups: replaces `losses.append(loss.item())`
-    # speedups: autocast for the forward pass; fp32 is a true no-op (enabled=False)
-    amp = mixed_precision(
-        "auto" if args.precision == "fp32" else args.precision,
-        device_type=device.type,
-        enabled=args.precision != "fp32",
-    )
+    # speedups: autocast for the forward pass; fp32 is a true no-op (enabled=False, the dtype is not used)
+    precision = "auto" if args.precision == "fp32" else args.precision
+    amp = mixed_precision(precision, device_type=device.type, enabled=args.precision != "fp32")
 
     @accumulate(args.accumulate, optimizer)  # speedups: backward here, optimizer step every N calls
     @amp  # speedups: with fp16, @accumulate scales the loss and unscales once per optimizer step
