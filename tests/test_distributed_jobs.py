@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
+from tests._bench import run_quick
 from tests._dist import ROOT, WORKERS, run_torchrun, run_two_nodes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -120,7 +121,5 @@ def test_train_ddp_example_two_processes_and_one(tmp_path: Path) -> None:
 
 
 def test_benchmark_quick_mode_prints_its_table() -> None:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.ddp", "--quick"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=240)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ratio to 1 process" in out.stdout and "2 processes (DDP)" in out.stdout
+    stdout = run_quick("ddp", timeout=240)
+    assert "ratio to 1 process" in stdout and "2 processes (DDP)" in stdout

@@ -7,8 +7,6 @@ import math
 import os
 import pickle
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, T
 
 from speedups import LoaderReport, SpeedupsError, SpeedupsWarning, fast_loader, tune_loader
 from speedups.loading import _seed_worker
+from tests._bench import run_quick
 from tests._loading_data import SeedProbe, Squares, Stream, identity_collate, record_init
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -413,13 +412,5 @@ def test_tune_loader_rejects_a_non_loader() -> None:
 
 
 def test_benchmark_quick_mode_prints_its_table() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loading", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr
-    assert "num_workers=0" in out.stdout and "tune_loader" in out.stdout and "batches/s" in out.stdout
+    stdout = run_quick("loading", timeout=240)
+    assert "num_workers=0" in stdout and "tune_loader" in stdout and "batches/s" in stdout

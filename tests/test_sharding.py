@@ -21,6 +21,7 @@ from torch import nn
 
 from speedups import SpeedupsError, shard_model, unshard_model
 from speedups import sharding as sharding_module
+from tests._bench import run_quick
 
 ROOT = Path(__file__).resolve().parent.parent
 META, CPU = torch.device("meta"), torch.device("cpu")
@@ -477,12 +478,5 @@ def test_example_runs_on_cpu_and_says_why() -> None:
 
 
 def test_benchmark_quick_mode_prints_its_table() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sharding", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "ratio to plain" in out.stdout and "sharded cpu/cpu" in out.stdout
+    stdout = run_quick("sharding", timeout=300)
+    assert "ratio to plain" in stdout and "sharded cpu/cpu" in stdout
