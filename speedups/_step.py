@@ -10,6 +10,7 @@ unscale once, normalise, clip, step or skip.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ __all__ = [
     "ScalerSink",
     "active_checker",
     "apply_update",
+    "check_max_grad_norm",
     "current_step",
     "grads_of",
     "owned_update",
@@ -41,6 +43,32 @@ current_step: ContextVar[ScalerSink | None] = ContextVar("speedups_current_step"
 active_checker: ContextVar[Any] = ContextVar("speedups_active_checker", default=None)
 # True while :func:`apply_update` itself steps the optimizer: that step is the one ``@accumulate`` owns.
 owned_update: ContextVar[bool] = ContextVar("speedups_owned_update", default=False)
+
+
+def check_max_grad_norm(max_grad_norm: object, said: str) -> float | None:
+    """Validate a clipping norm (``said`` is the call as written, up to the argument); return it as a float.
+
+    Raises:
+        TypeError: not a real number or None.
+        ValueError: not a positive finite number.
+    """
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+        raise TypeError(
+            f"{said}max_grad_norm={max_grad_norm!r}): expected a positive float or None, got "
+            f"{type(max_grad_norm).__name__}. Write max_grad_norm=1.0."
+        )
+    try:
+        value = float(max_grad_norm)
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{said}max_grad_norm={max_grad_norm!r}): expected a positive finite norm or None. "
+            f"Write max_grad_norm=1.0."
+        )
+    return value
 
 
 def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -222,14 +222,28 @@ class _Accumulator:
         """What the synchronised gradients must be multiplied by to be the window's exact mean."""
         averaged = self.world if synced_by_wrapper else 1  # DDP/FSDP2 divide by the world size
         if self.mode == _ITEMS:
+            # A window of zero items (all padding) has nothing to learn from: its gradients are zeroed, never
+            # divided by zero (an exact 0 count on the host also skips the optimizer step, see _update).
             if self.total_device is None:
-                return averaged * self.ref_n / self.total_host if self.total_host else math.nan
-            return (averaged * self.ref_n / (self.total_device + self.total_host)).float()
+                return averaged * self.ref_n / self.total_host if self.total_host else 0.0
+            total = self.total_device + self.total_host
+            return torch.where(total > 0, averaged * self.ref_n / total, torch.zeros_like(total)).float()
         return averaged * self.every / (self.world * self.pending)
 
     def _update(self, synced: bool) -> None:
         grads_synced_by_wrapper = synced and self.kind != "single"
         factor = self._factor(grads_synced_by_wrapper)
+        if self.mode == _ITEMS and self.total_device is None and not self.total_host:
+            warnings.warn(
+                f"accumulate: the window ending at micro-step {self.step} holds 0 items (every num_items was "
+                f"0): there is nothing to learn from it, so the optimizer step was skipped.",
+                SpeedupsWarning,
+                stacklevel=4,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_window()
+            self.last_step_skipped = True
+            return
         # Single process: the summed loss tells whether to skip (cheaper than a gradient norm). Data
         # parallel: the gradient norm, identical on every rank after the sync, so every rank decides alike.
         stepped, self.probe = _step.apply_update(
@@ -254,6 +268,9 @@ class _Accumulator:
                 stacklevel=4,
             )
         self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self.pending = 0
         self.total_host = 0.0
         self.total_device = None
@@ -319,35 +336,60 @@ class _Accumulator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        call = "accumulate(...).load_state_dict(state)"
         keys = {"every", "step", "num_updates", "pending", "mode", "total_host", "total_device", "grads"}
         if not isinstance(state, dict) or not keys <= set(state):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"accumulate(...).load_state_dict(state): expected the dict of train_step.state_dict(), "
+                f"{call}: expected the dict of train_step.state_dict(), "
                 f"with keys {sorted(keys | {'scaler', 'losses'})}, got {got}."
             )
         if state["every"] != self.every:
             raise ValueError(
-                f"accumulate(...).load_state_dict(state): the checkpoint accumulated over "
+                f"{call}: the checkpoint accumulated over "
                 f"{state['every']!r} micro-steps, this step over {self.every}. Decorate with "
                 f"accumulate({state['every']}, ...) to resume it."
             )
+        # Everything is checked before anything changes: a bad checkpoint leaves the step and the gradients.
+        for key in ("step", "num_updates", "pending"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{call}: state[{key!r}]={value!r}, expected an int >= 0.")
+        if state["pending"] >= self.every:
+            raise ValueError(f"{call}: state['pending']={state['pending']!r}, expected < every={self.every}.")
+        if state["mode"] not in (None, _MEAN, _ITEMS):
+            raise ValueError(
+                f"{call}: state['mode']={state['mode']!r}, expected None, {_MEAN!r} or {_ITEMS!r}."
+            )
+        if isinstance(state["total_host"], bool) or not isinstance(state["total_host"], (int, float)):
+            raise ValueError(f"{call}: state['total_host']={state['total_host']!r}, expected a number.")
+        if state["total_device"] is not None and not isinstance(state["total_device"], torch.Tensor):
+            raise ValueError(f"{call}: state['total_device'] must be None or a tensor.")
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if state["grads"] is not None:
-            if len(state["grads"]) != len(params):
+        grads = state["grads"]
+        if grads is not None:
+            if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
+                got_n = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
                 raise ValueError(
-                    f"accumulate(...).load_state_dict(state): the checkpoint holds gradients for "
-                    f"{len(state['grads'])} parameters, the optimizer has {len(params)}. Resume with the "
-                    f"same model and optimizer."
+                    f"{call}: the checkpoint holds gradients for {got_n} parameters, the optimizer has "
+                    f"{len(params)}. Resume with the same model and optimizer."
                 )
-            for p, g in zip(params, state["grads"], strict=True):
-                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
+                    shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                    raise ValueError(
+                        f"{call}: the gradient of parameter {i} has shape {shape}, the parameter "
+                        f"{tuple(p.shape)}. Resume with the same model and optimizer."
+                    )
         if state.get("scaler") is not None and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        self.num_updates = int(state["num_updates"])
-        self.pending = int(state["pending"])
-        self.mode = state["mode"]
+        if grads is not None:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+        self.step = state["step"]
+        self.num_updates = state["num_updates"]
+        self.pending = state["pending"]
+        self.mode = {_MEAN: _MEAN, _ITEMS: _ITEMS}.get(state["mode"])  # the module's own string objects
         self.total_host = float(state["total_host"])
         self.total_device = state["total_device"]
         self.losses = list(state.get("losses", []))
@@ -529,8 +571,8 @@ def accumulate(
     Visible state: ``train_step.step`` (calls so far), ``.is_boundary``, ``.num_updates``, ``.pending``,
     ``.scaler``, ``.last_step_skipped``, ``.found_inf``; ``.flush()``, ``.epoch(loader)``,
     ``.state_dict()``, ``.load_state_dict()``. Decorating a method works; the state belongs to the decorated
-    function and is shared by all instances. The wrapped function (a ``wrapt.FunctionWrapper``) cannot be
-    pickled.
+    function and is shared by all instances. A step is one training loop's: it is not thread-safe. The
+    wrapped function (a ``wrapt.FunctionWrapper``) cannot be pickled.
 
     The technique is standard; the exact per-item normalisation follows the analysis in "Fixing Gradient
     Accumulation" (Hugging Face blog, 2024) of the bug where dividing by ``N`` mis-weights unequal windows.
@@ -595,18 +637,7 @@ def accumulate(
             f"{said}scheduler={_short(scheduler)}): expected an LR scheduler with a step() method or "
             f"None, got {type(scheduler).__name__}."
         )
-    if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
-            raise TypeError(
-                f"{said}max_grad_norm={max_grad_norm!r}): expected a positive float or None, got "
-                f"{type(max_grad_norm).__name__}. Write max_grad_norm=1.0."
-            )
-        if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(
-                f"{said}max_grad_norm={max_grad_norm!r}): expected a positive finite norm or None. "
-                f"Write max_grad_norm=1.0."
-            )
-        max_grad_norm = float(max_grad_norm)
+    max_grad_norm = _step.check_max_grad_norm(max_grad_norm, said)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"{said}model={_short(model)}): expected a torch.nn.Module (the DDP or FSDP2 model) or None, "
@@ -625,6 +656,12 @@ def accumulate(
         )
 
     def decorator(fn: F) -> F:
+        if isinstance(fn, type) or not callable(fn):
+            what = fn.__name__ if isinstance(fn, type) else repr(fn)
+            raise TypeError(
+                f"accumulate({every!r}, optimizer)({what}): expected the step function (or method) that "
+                f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
+            )
         acc = _Accumulator(
             every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite
         )

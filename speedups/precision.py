@@ -119,7 +119,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 f"mixed_precision(init_scale={init_scale!r}): expected a positive finite loss scale, "
                 f"e.g. init_scale=2.0**16 (GradScaler's default)."
             )
-        self.device_type = _check_device_type(device_type, dtype)
+        self.device_type = _check_device_type(device_type, dtype, enabled=enabled)
         self.dtype: torch.dtype | None = None
         """The autocast dtype, or None when the object is a no-op (fp32)."""
         self.scaler: torch.amp.GradScaler | None = None
@@ -237,13 +237,15 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             True when the optimizer really stepped: step your LR scheduler only then.
 
         Raises:
-            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``max_grad_norm`` is not a number.
+            ValueError: ``max_grad_norm`` is not positive and finite.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"mixed_precision.step(optimizer={type(optimizer).__name__}): expected a "
                 f"torch.optim.Optimizer. Pass the optimizer, e.g. amp.step(optimizer)."
             )
+        max_grad_norm = _step.check_max_grad_norm(max_grad_norm, "mixed_precision.step(optimizer, ")
         stepped, probe = _step.apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
@@ -277,7 +279,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             self.scaler.load_state_dict(state["scaler"])
 
 
-def _check_device_type(device_type: object, dtype: object) -> str:
+def _check_device_type(device_type: object, dtype: object, *, enabled: bool = True) -> str:
     if device_type is None:
         return default_device().type
     said = f"mixed_precision({dtype!r}, device_type={device_type!r})"
@@ -293,7 +295,7 @@ def _check_device_type(device_type: object, dtype: object) -> str:
             f"{said}: not a device type autocast knows. Allowed: {', '.join(_known_device_types()[:4])} "
             f"(those torch autocasts), or None for this process's device. E.g. device_type='cuda'."
         )
-    if device_type != "cpu":
+    if device_type != "cpu" and enabled:  # enabled=False is a no-op: the device need not exist here
         backend = torch.backends.mps if device_type == "mps" else getattr(torch, device_type, None)
         is_available = getattr(backend, "is_available", None)
         if is_available is None or not is_available():

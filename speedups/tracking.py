@@ -40,6 +40,8 @@ class LossTracker:
 
     Epochs: :meth:`end_epoch` appends the current mean to :attr:`history` and starts a new running mean.
 
+    One tracker belongs to one training loop: it is not thread-safe (use one tracker per thread).
+
     Across ranks (opt-in): ``LossTracker(all_ranks=True)`` makes every read the global weighted mean over all
     ranks of the process group: one all-reduce of ``(weighted sum, count, non-finite count, updates)`` in
     float64 at read time, never in :meth:`update`. Ranks may record different numbers of values (an
@@ -296,22 +298,38 @@ class LossTracker:
         """Restore what :meth:`state_dict` returned. Later updates continue the same running mean.
 
         Raises:
-            ValueError: ``state`` lacks a key or has one this class does not know.
+            ValueError: ``state`` lacks a key, has one this class does not know, or holds a value of the
+                wrong kind (the tracker is unchanged then).
         """
+        call = "LossTracker.load_state_dict(state)"
         expected = {"sum", "count", "nonfinite", "updates", "history"}
         if not isinstance(state, dict) or set(state) - {"all_ranks"} != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"LossTracker.load_state_dict(state): expected a dict with keys {sorted(expected)}, "
+                f"{call}: expected a dict with keys {sorted(expected)}, "
                 f"got {got}. Pass what LossTracker.state_dict() returned."
             )
+        # Checked and converted before anything changes, so a bad dict leaves the tracker as it was.
+        totals = []
+        for key in ("sum", "count", "nonfinite"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{call}: state[{key!r}]={value!r}, expected a finite number.")
+            totals.append(float(value))
+        updates, history = state["updates"], state["history"]
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise ValueError(f"{call}: state['updates']={updates!r}, expected an int >= 0.")
+        if not isinstance(history, list) or not all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in history
+        ):
+            raise ValueError(f"{call}: state['history'] must be a list of numbers, got {history!r}.")
         self.reset()
-        self.history = [float(v) for v in state["history"]]
+        self.history = [float(v) for v in history]
         dist = torch.distributed
         if state.get("all_ranks") and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
-        self._host = [float(state["sum"]), float(state["count"]), float(state["nonfinite"])]
-        self._updates = int(state["updates"])
+        self._host = totals
+        self._updates = updates
 
 
 def _dtype(device: torch.device) -> torch.dtype:

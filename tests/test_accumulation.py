@@ -460,3 +460,48 @@ def test_ddp_equals_the_single_process_reference_with_one_all_reduce_per_step(mo
         # 2 epochs x (one full window of 3 + one flushed window of 2): 4 updates, of which only the two
         # full windows went through DDP's (hooked) all-reduce; every other call ran inside no_sync
         assert fields["hook_calls"] == "2" and fields["updates"] == "4" and fields["grads_left"] == "0", line
+
+
+def test_a_window_of_zero_items_never_writes_nan() -> None:
+    model, opt, _ = _pair()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 3)
+    step_host = accumulate(2, opt)(lambda n: (model(x).pow(2).mean(), n))
+    step_host(0)
+    with pytest.warns(SpeedupsWarning, match="0 items"):
+        step_host(0)
+    assert step_host.last_step_skipped and step_host.num_updates == 0
+    torch.testing.assert_close(list(model.parameters()), before, atol=0, rtol=0)
+    step_device = accumulate(1, opt)(lambda n: (model(x).pow(2).mean(), n))
+    step_device(torch.tensor(0))  # a device count: no sync to look at it, the gradients become 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    torch.testing.assert_close(list(model.parameters()), before, atol=0, rtol=0)  # SGD, no momentum
+
+
+def test_load_state_dict_checks_everything_before_changing_anything() -> None:
+    X, Y = _linear_data()
+    model, opt, _ = _pair()
+    train_step = accumulate(4, opt)(lambda x, y: F.mse_loss(model(x), y))
+    train_step(X[:4], Y[:4])
+    good = train_step.state_dict()
+    grads = [p.grad.clone() for p in model.parameters()]
+    bad_states = [
+        {**good, "pending": "x"},
+        {**good, "pending": 7},
+        {**good, "mode": "garbage"},
+        {**good, "grads": [torch.zeros(1, 3), torch.zeros(2)]},
+        {**good, "grads": [torch.zeros(1, 3)]},
+        {**good, "step": -1},
+    ]
+    for bad in bad_states:
+        with pytest.raises(ValueError, match=r"load_state_dict\(state\)"):
+            train_step.load_state_dict(bad)
+        assert train_step.pending == 1 and train_step.step == 1
+        torch.testing.assert_close([p.grad for p in model.parameters()], grads, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("target", [None, 5, "f", type("Net", (), {})])
+def test_decorating_something_that_is_not_a_step_function_raises(target) -> None:
+    _, opt, _ = _pair()
+    with pytest.raises(TypeError, match="expected the step function"):
+        accumulate(2, opt)(target)

@@ -424,3 +424,27 @@ def test_cuda_auto_picks_a_16_bit_dtype() -> None:
     amp = mixed_precision(device_type="cuda")
     expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     assert amp.dtype == expected and (amp.scaler is not None) == (expected == torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("norm", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("x", TypeError)]
+)
+def test_step_validates_max_grad_norm_before_touching_anything(norm, error) -> None:
+    lin = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 1)).pow(2).sum().backward()
+    before = lin.weight.detach().clone()
+    with pytest.raises(error, match=r"mixed_precision.step\(optimizer, max_grad_norm="):
+        mixed_precision("bf16", device_type="cpu").step(opt, max_grad_norm=norm)
+    torch.testing.assert_close(lin.weight.detach(), before, atol=0, rtol=0)
+
+
+def test_enabled_false_does_not_need_the_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    amp = mixed_precision("bf16", device_type="cuda", enabled=False)  # enabled=torch.cuda.is_available()
+    assert not amp.enabled
+    with amp:
+        assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(SpeedupsError, match="no cuda device"):
+        mixed_precision("bf16", device_type="cuda")

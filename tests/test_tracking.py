@@ -180,3 +180,21 @@ def test_cuda_updates_stay_on_device_without_sync() -> None:
             tracker.update(loss, n=2)
     assert counter.count == 0
     assert tracker.compute() == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sum": "x", "count": 1, "nonfinite": 0, "updates": 1, "history": []},
+        {"sum": 1.0, "count": 1, "nonfinite": float("nan"), "updates": 1, "history": []},
+        {"sum": 1.0, "count": 1, "nonfinite": 0, "updates": -1, "history": []},
+        {"sum": 1.0, "count": 1, "nonfinite": 0, "updates": 1, "history": None},
+    ],
+)
+def test_load_state_dict_leaves_the_tracker_unchanged_on_bad_values(bad) -> None:
+    tracker = LossTracker()
+    tracker.update(1.0)
+    tracker.update(3.0, n=3)
+    with pytest.raises(ValueError, match=r"load_state_dict\(state\): state\["):
+        tracker.load_state_dict(bad)
+    assert len(tracker) == 2 and tracker.compute() == pytest.approx(2.5)
