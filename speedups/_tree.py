@@ -16,36 +16,40 @@ from typing import Any
 __all__ = ["tree_map"]
 
 
-def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Return ``obj`` with every leaf ``x`` replaced by ``fn(x)``; containers keep their exact type.
+
+    ``is_leaf(x)`` True makes ``x`` a leaf even if it is a container (e.g. an object that moves itself).
 
     Raises:
         TypeError: a read-only mapping type that cannot be rebuilt from a dict.
     """
-    if isinstance(obj, (str, bytes)):
+    if isinstance(obj, (str, bytes)) or (is_leaf is not None and is_leaf(obj)):
         return fn(obj)
     if isinstance(obj, Mapping):
-        return _map_mapping(fn, obj)
+        return _map_mapping(fn, obj, is_leaf)
     if isinstance(obj, tuple):
-        items = [tree_map(fn, v) for v in obj]
+        items = [tree_map(fn, v, is_leaf) for v in obj]
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         return type(obj)(items)
     if isinstance(obj, list):
         new_list = copy.copy(obj)  # keeps a subclass and its attributes
-        new_list[:] = [tree_map(fn, v) for v in obj]
+        new_list[:] = [tree_map(fn, v, is_leaf) for v in obj]
         return new_list
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)  # no __init__ / __post_init__ rerun; init=False values carried over
         for f in dataclasses.fields(obj):
             # object.__setattr__ writes frozen dataclasses too, on the copy only.
-            object.__setattr__(new, f.name, tree_map(fn, getattr(obj, f.name)))
+            object.__setattr__(new, f.name, tree_map(fn, getattr(obj, f.name), is_leaf))
         return new
     return fn(obj)
 
 
-def _map_mapping(fn: Callable[[Any], Any], obj: Mapping[Any, Any]) -> Any:
-    mapped = {k: tree_map(fn, v) for k, v in obj.items()}
+def _map_mapping(
+    fn: Callable[[Any], Any], obj: Mapping[Any, Any], is_leaf: Callable[[Any], bool] | None
+) -> Any:
+    mapped = {k: tree_map(fn, v, is_leaf) for k, v in obj.items()}
     if isinstance(obj, MutableMapping):
         # copy.copy keeps the type, defaultdict's factory, OrderedDict's order and instance attributes.
         new = copy.copy(obj)

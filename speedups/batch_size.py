@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -370,5 +371,18 @@ def accumulation_plan(
             f"effective_batch_size={effective_batch_size // ws * ws or ws}."
         )
     per_rank = effective_batch_size // ws
-    micro = max(d for d in range(1, min(per_rank, max_micro_batch_size) + 1) if per_rank % d == 0)
+    micro = _largest_divisor_at_most(per_rank, max_micro_batch_size)
     return AccumulationPlan(micro, per_rank // micro, ws)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is <= ``limit``, from the divisor pairs up to sqrt(n)."""
+    best = 1
+    for small in range(1, math.isqrt(n) + 1):
+        if n % small == 0:
+            large = n // small
+            if large <= limit:
+                return max(best, large)  # the first large co-divisor under the limit is the largest
+            if small <= limit:
+                best = small
+    return best

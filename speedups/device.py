@@ -128,7 +128,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     Walks any nesting of dict, OrderedDict, defaultdict (its ``default_factory`` kept), other ``Mapping``
     and ``UserDict`` subclasses, list, tuple, namedtuple and dataclass instances (frozen ones and
     ``field(init=False)`` values included). Tensors move with ``Tensor.to``; modules move in place with
-    ``nn.Module.to`` (as torch does); any other object with a ``.to`` method gets ``obj.to(device)``;
+    ``nn.Module.to`` (as torch does); any other object with a ``.to`` method gets ``obj.to(device)``, also
+    when it is a container itself (``PackedSequence``, a tokenizer's batch), as it knows how to move itself;
     everything else (strings, numbers, None) is returned as is. ``obj`` itself is never modified: every
     container is rebuilt. Tensors keep their dtype and shape.
 
@@ -159,7 +160,18 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TypeError(f"to_device(non_blocking={non_blocking!r}): expected True, False or None.")
     target = resolve_device(device, call="to_device")
-    return tree_map(_LeafMover(target, non_blocking), obj)
+    return tree_map(_LeafMover(target, non_blocking), obj, _moves_itself)
+
+
+def _moves_itself(obj: Any) -> bool:
+    """Whether ``obj`` is a leaf for the walk: a tensor, a module, or an object whose class has ``.to``.
+
+    The last case includes containers that know how to move themselves and must not be taken apart, such
+    as ``PackedSequence`` (a namedtuple whose ``batch_sizes`` must stay on the CPU).
+    """
+    return isinstance(obj, (torch.Tensor, torch.nn.Module)) or (
+        not isinstance(obj, type) and callable(getattr(type(obj), "to", None))
+    )
 
 
 class _LeafMover:

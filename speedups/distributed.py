@@ -452,6 +452,21 @@ class DistributedLoader(DataLoader):
                 f"DistributedLoader.load_state_dict(state): expected keys {sorted(expected)}, got {got}. "
                 f"Pass what DistributedLoader.state_dict() returned."
             )
+        for key in ("epoch", "batches"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"DistributedLoader.load_state_dict(state): state[{key!r}]={value!r}, "
+                    f"expected an int >= 0."
+                )
+        samples, size = self.distributed_sampler.num_samples, self._batch_size()
+        drop_last = self.batch_sampler is not None and bool(getattr(self.batch_sampler, "drop_last", False))
+        per_epoch = samples // size if drop_last else -(-samples // size)
+        if state["batches"] > per_epoch:
+            raise ValueError(
+                f"DistributedLoader.load_state_dict(state): state['batches']={state['batches']} but an epoch "
+                f"of this loader has {per_epoch} batches on this rank. Resume with the same loader settings."
+            )
         world = self.distributed_sampler.num_replicas
         if state["batches"] and state["world_size"] != world:
             raise ValueError(

@@ -307,6 +307,9 @@ class StepProfiler:
                 f"profile_steps(sample_every={sample_every!r}): must be None (sample as rarely as keeps the "
                 f"overhead under 1%) or an int >= 1 (count syncs on every n-th step), e.g. sample_every=50."
             )
+        for flag, value in (("debug", debug), ("enabled", enabled)):
+            if not isinstance(value, bool):
+                raise TypeError(f"profile_steps({flag}={value!r}): expected True or False.")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"profile_steps(model={model!r}): expected an nn.Module (the DDP-wrapped model).")
         self.enabled = enabled
@@ -332,6 +335,11 @@ class StepProfiler:
 
     # ------------------------------------------------------------------------ context manager / decorator
     def __enter__(self) -> StepProfiler:
+        if self._checker_token is not None or self._hooks:
+            raise SpeedupsError(
+                "profile_steps(): this profiler is already entered. Use one `with` block per profiler, or "
+                "make a new one: `with profile_steps() as prof:`."
+            )
         if self.enabled:
             self._start = time.perf_counter()
             self._last_end = self._start

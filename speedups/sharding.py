@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from speedups import _compat
 from speedups._tree import tree_map
-from speedups.device import DeviceLike, _LeafMover, resolve_device
+from speedups.device import DeviceLike, _LeafMover, _moves_itself, resolve_device
 from speedups.errors import SpeedupsError
 
 __all__ = ["shard_model", "unshard_model"]
@@ -28,6 +28,7 @@ __all__ = ["shard_model", "unshard_model"]
 M = TypeVar("M", bound=nn.Module)
 
 _ATTR = "_speedups_sharding"  # the plan of a sharded model, kept on the model itself (nothing global)
+_INSIDE = "_speedups_inside_sharding"  # set on every submodule of a sharded model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class _MoveInputs:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return tree_map(self.move, args), tree_map(self.move, kwargs)
+        return tree_map(self.move, args, _moves_itself), tree_map(self.move, kwargs, _moves_itself)
 
 
 class _MoveOutput:
@@ -74,7 +75,7 @@ class _MoveOutput:
         self.move = _LeafMover(device)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        return tree_map(self.move, output)
+        return tree_map(self.move, output, _moves_itself)
 
 
 class _RootIO:
@@ -95,12 +96,12 @@ class _RootIO:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.input_device = None
-        moved_args, moved_kwargs = tree_map(self._see_and_move, (args, kwargs))
+        moved_args, moved_kwargs = tree_map(self._see_and_move, (args, kwargs), _moves_itself)
         return moved_args, moved_kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         move = self.to_output or _LeafMover(self.input_device or self.compute_device)
-        return tree_map(move, output)
+        return tree_map(move, output, _moves_itself)
 
 
 class _UnwrapStateDict:
@@ -259,6 +260,9 @@ def unshard_model(model: M, device: DeviceLike | None = None) -> M:
     for parent, name, wrapper in plan.wrappers:
         setattr(parent, name, wrapper.module)
     delattr(model, _ATTR)
+    for module in model.modules():
+        if _INSIDE in module.__dict__:
+            delattr(module, _INSIDE)
     model.to(target)
     return model
 
@@ -288,6 +292,12 @@ def _plan(
             f"got {type(device_map).__name__}. E.g. shard_model(model, {{'encoder': 0, 'decoder': 1}})."
         )
     said = f"shard_model(model, {dict(device_map)!r})"
+    if model.__dict__.get(_INSIDE):
+        raise SpeedupsError(
+            f"{said}: this model is a submodule of a sharded model, whose hooks already move its inputs. "
+            f"Sharding it too would stack hooks. Undo the parent first (unshard_model(parent)), then shard "
+            f"the parent once with the whole map, e.g. {{'inner.0': 'cuda:0'}}."
+        )
     for name, module in model.named_modules():
         if isinstance(getattr(module, _ATTR, None), _Sharding):
             where = "model" if not name else f"model.{name}"
@@ -486,3 +496,6 @@ def _apply(model: nn.Module, plan: _Sharding) -> None:
     plan.handles.append(model.register_forward_pre_hook(root.before, with_kwargs=True, prepend=True))
     plan.handles.append(model.register_forward_hook(root.after, with_kwargs=True))
     setattr(model, _ATTR, plan)
+    for name, module in model.named_modules():
+        if name:  # a submodule of a sharded model must not be sharded on its own: its hooks would stack
+            object.__setattr__(module, _INSIDE, True)

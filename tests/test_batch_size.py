@@ -298,3 +298,18 @@ def test_accumulation_plan_reads_the_world_size(monkeypatch: pytest.MonkeyPatch)
 def test_accumulation_plan_bad_input(args: tuple, kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         accumulation_plan(*args, **kwargs)
+
+
+def test_accumulation_plan_matches_brute_force_and_is_fast_on_large_inputs() -> None:
+    import random
+
+    from speedups.batch_size import _largest_divisor_at_most
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        n, limit = rng.randint(1, 3000), rng.randint(1, 4000)
+        assert _largest_divisor_at_most(n, limit) == max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+    plan = accumulation_plan(10**12, 10**12, world_size=1)  # was a loop over 10**12 candidates
+    assert (plan.micro_batch_size, plan.accumulation_steps) == (10**12, 1)
+    plan = accumulation_plan(2 * 999_983 * 8, 1000, world_size=2)  # per rank 8 * a large prime
+    assert plan.micro_batch_size * plan.accumulation_steps == 999_983 * 8 and plan.micro_batch_size == 8

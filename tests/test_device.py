@@ -186,3 +186,22 @@ def test_pinned_tensor_to_cuda_is_non_blocking_and_correct() -> None:
     torch.cuda.synchronize()
     assert moved["t"].device.type == "cuda"
     torch.testing.assert_close(moved["t"].cpu(), t, rtol=0, atol=0)
+
+
+def test_objects_that_move_themselves_are_not_taken_apart() -> None:
+    packed = nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])  # a namedtuple with .to
+    moved = to_device({"seq": packed}, "cpu")
+    assert type(moved["seq"]) is type(packed) and moved["seq"].batch_sizes.device.type == "cpu"
+    torch.testing.assert_close(moved["seq"].data, packed.data, rtol=0, atol=0)
+    calls = []
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+        def to(self, device: torch.device) -> Batch:
+            calls.append(device)
+            return Batch(self.x.to(device))
+
+    out = to_device([Batch(torch.ones(2))], META)
+    assert calls == [META] and out[0].x.device == META

@@ -322,3 +322,12 @@ def test_init_distributed_bad_arguments() -> None:
     with pytest.raises(ValueError, match="timeout=0"):
         init_distributed(timeout=0)
     assert init_distributed() is False
+
+
+@pytest.mark.parametrize("bad", [{"batches": -2}, {"batches": 1.7}, {"epoch": -3}, {"batches": 10**6}])
+def test_loader_load_state_dict_rejects_impossible_positions(bad) -> None:
+    loader = distributed(DataLoader(list(range(10)), batch_size=3, shuffle=True), rank=0, world_size=2)
+    good = loader.state_dict()
+    with pytest.raises(ValueError, match=r"DistributedLoader.load_state_dict\(state\)"):
+        loader.load_state_dict({**good, **bad})
+    assert loader.state_dict() == good and len(list(loader)) == 2  # 5 samples on this rank: 2 batches

@@ -329,3 +329,41 @@ def test_plot_writes_a_png_and_explains_a_missing_matplotlib(model, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ImportError, match=r"pip install 'speedups\[examples\]'"):
         prof.plot(tmp_path / "again.png")
+
+
+def test_flags_are_checked_and_a_profiler_cannot_be_entered_twice() -> None:
+    from speedups import _step
+
+    with pytest.raises(TypeError, match=r"enabled='no'"):
+        profile_steps(enabled="no")
+    with pytest.raises(TypeError, match=r"debug='yes'"):
+        profile_steps(debug="yes")
+    chk = check()
+    with chk:
+        with pytest.raises(SpeedupsError, match="already entered"), chk:
+            pass
+        assert _step.active_checker.get() is chk
+    assert _step.active_checker.get() is None
+
+
+def test_optimizer_step_by_hand_under_accumulate_detector(model) -> None:
+    from speedups import _step, accumulate
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = accumulate(4, optimizer)(lambda x: model(x).pow(2).mean())
+    batches = [torch.randn(4, 8) for _ in range(8)]
+    with check() as chk, pytest.warns(SpeedupsWarning, match=r"optimizer.step\(\) was called by hand") as rec:
+        for x in chk.iter(batches):
+            train_step(x)
+            optimizer.step()  # the mistake: @accumulate already steps on every 4th call
+    assert len([w for w in rec if "by hand" in str(w.message)]) == 1  # warns once
+
+    with warnings.catch_warnings():  # the correct loop: @accumulate's own steps are not flagged
+        warnings.simplefilter("error", SpeedupsWarning)
+        with check() as chk:
+            for x in chk.iter(batches):
+                train_step(x)
+            train_step.flush()
+    assert train_step.num_updates >= 2
+    assert _step.active_checker.get() is None  # outside check() nothing is watched
+    optimizer.step()  # and nothing is left registered to warn

@@ -480,3 +480,24 @@ def test_example_runs_on_cpu_and_says_why() -> None:
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("sharding", timeout=300)
     assert "ratio to plain" in stdout and "sharded cpu/cpu" in stdout
+
+
+def test_a_submodule_of_a_sharded_model_cannot_be_sharded_again() -> None:
+    class W(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    model = W()
+    shard_model(model, {"inner.0": "cpu"})
+    hooks = len(model.inner[0]._forward_pre_hooks)
+    with pytest.raises(SpeedupsError, match="submodule of a sharded model"):
+        shard_model(model.inner, {"0": "cpu"})
+    assert len(model.inner[0]._forward_pre_hooks) == hooks
+    unshard_model(model)
+    assert not model.inner[0]._forward_pre_hooks
+    shard_model(model.inner, {"0": "cpu"})  # allowed once the parent is unsharded
+    unshard_model(model.inner)
