@@ -10,6 +10,7 @@ FSDP2 models go through ``torch.distributed.checkpoint`` (a directory of shards,
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import random
@@ -56,7 +57,9 @@ def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-def _split(call: str, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(
+    call: str, state: Mapping[str, Any], *, allow_empty: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     objects, plain = {}, {}
     for name, value in state.items():
         if name.startswith("_"):
@@ -72,7 +75,7 @@ def _split(call: str, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
                 f"plain value (number, string, tensor, list/dict of them). A plain DataLoader has no state: "
                 f"pass distributed(loader) instead."
             )
-    if not state:
+    if not state and not allow_empty:
         raise ValueError(f"{call}(path): nothing to save or load. Pass objects by name, e.g. model=model.")
     return objects, plain
 
@@ -202,6 +205,19 @@ def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any
     restore this rank's RNG states (skipped, with a warning, if the world size changed). Plain values saved
     (``step=120``) are returned. Loaded with ``torch.load(weights_only=True)``.
 
+    Every rank must pass the same ``path`` (on shared storage for several nodes): rank 0 wrote it.
+
+    Sync points: none beyond the copies ``load_state_dict`` makes to each parameter's device; no
+    collective (FSDP2 through ``torch.distributed.checkpoint``, which is collective).
+
+    Example:
+        >>> import tempfile, os
+        >>> model = torch.nn.Linear(2, 1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> _ = save_checkpoint(path, model=model, step=7)  # returns the path written
+        >>> load_checkpoint(path, model=torch.nn.Linear(2, 1))
+        {'step': 7}
+
     Args:
         path: the file (or FSDP2 directory) :func:`save_checkpoint` wrote.
         **state: the objects to restore, by the names they were saved under (a subset is fine).
@@ -213,9 +229,11 @@ def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any
         FileNotFoundError: no checkpoint at ``path``.
         TypeError: a value has no ``load_state_dict``.
         SpeedupsError: the file is not a speedups checkpoint, a name is missing from it, or a model or
-            optimizer does not match what was saved. Nothing has been changed when it raises.
+            optimizer does not match what was saved. Nothing has been changed when it raises: what is
+            checked is checked before anything loads, and if another object's own ``load_state_dict``
+            raises, the objects loaded before it are put back.
     """
-    objects, extra = _split("load_checkpoint", state)
+    objects, extra = _split("load_checkpoint", state, allow_empty=True)
     if extra:
         raise TypeError(
             f"load_checkpoint({', '.join(f'{k}=...' for k in extra)}): plain values cannot be loaded into; "
@@ -237,10 +255,30 @@ def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any
         raise SpeedupsError(f"{said}: {missing} were not saved; it holds {sorted(saved)}.")
     for name, obj in objects.items():
         _check(said, name, _unwrap(obj), saved[name])
-    for name, obj in objects.items():
-        _unwrap(obj).load_state_dict(saved[name])
+    _load_all(objects, saved)
     _restore_rng(payload["rng"])
     return dict(payload["plain"])
+
+
+def _load_all(objects: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Load every object, all or none: if one ``load_state_dict`` raises, the ones loaded before it are put
+    back. Objects whose checkpoint was checked beforehand (models, optimizers, loaders) load last; the
+    others (any object with a ``state_dict``, checked only by its own ``load_state_dict``) load first,
+    each after a copy of its current state is taken."""
+    checked = (nn.Module, torch.optim.Optimizer, DistributedLoader)
+    order = sorted(objects.items(), key=lambda item: isinstance(_unwrap(item[1]), checked))
+    done: list[tuple[Any, Any]] = []
+    try:
+        for name, obj in order:
+            target = _unwrap(obj)
+            before = None if isinstance(target, checked) else copy.deepcopy(target.state_dict())
+            target.load_state_dict(saved[name])
+            done.append((target, before))
+    except Exception:
+        for target, before in reversed(done):
+            if before is not None:
+                target.load_state_dict(before)
+        raise
 
 
 def _restore_rng(every: list[dict[str, Any]]) -> None:
@@ -279,6 +317,16 @@ def _check(said: str, name: str, obj: Any, saved: Any) -> None:
                 f"{said}: optimizer {name} has parameter groups of sizes {here} here and {there} in the "
                 f"checkpoint. Build the optimizer over the same parameters before loading."
             )
+        params = [p for g in obj.param_groups for p in g["params"]]
+        ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
+        for param, index in zip(params, ids, strict=True):
+            for key, value in saved.get("state", {}).get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise SpeedupsError(
+                        f"{said}: optimizer {name}'s state {key!r} of parameter {index} has shape "
+                        f"{tuple(value.shape)} in the checkpoint, the parameter {tuple(param.shape)} here. "
+                        f"Build the optimizer over the same model before loading."
+                    )
     elif isinstance(obj, DistributedLoader):
         world = obj.distributed_sampler.num_replicas
         if saved.get("batches") and saved.get("world_size") != world:

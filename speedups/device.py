@@ -115,10 +115,10 @@ def resolve_device(
 
 
 def _missing(said: str) -> str:
+    hint = " (or device=None for this process's default device)" if "(device=" in said else ""
     return (
         f"{said}: that device is not available on this machine. "
-        f"Available here: {', '.join(_available_devices())}. "
-        f"Pass one of those, or device=None for this process's default device."
+        f"Available here: {', '.join(_available_devices())}. Pass one of those{hint}."
     )
 
 

@@ -85,9 +85,10 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         "",
         "What that means for each tip:",
     ]
-    workers = max(d["usable_cpus"] - 1, 0)
+    workers = d["usable_cpus"] // max(1, _env.local_world_size())
     lines.append(
-        f"  1-2 loaders: up to {workers} worker processes make sense here; tune_loader measures the best."
+        f"  1-2 loaders: fast_loader's num_workers='auto' gives {workers} worker process(es) per training "
+        f"process here; tune_loader measures which count is fastest."
     )
     lines.append(
         "  3   batch size: find_batch_size probes "

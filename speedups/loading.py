@@ -18,7 +18,6 @@ import functools
 import inspect
 import math
 import multiprocessing
-import os
 import pickle
 import random
 import sys
@@ -32,6 +31,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, get_worker_info
 
 from speedups import _env
+from speedups._hardware import usable_cpus
 from speedups._rng import preserved_rng
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -69,11 +69,7 @@ def _seed_worker(worker_id: int, init_fn: Callable[[int], object] | None = None)
 # ------------------------------------------------------------------------------------------ small helpers
 def _cpus_per_process() -> int:
     """CPUs this process may run on (its affinity mask), shared among the local processes of the job."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        cpus = os.cpu_count() or 1
-    return cpus // max(1, _env.local_world_size())  # 0 when there are more local processes than CPUs
+    return usable_cpus() // max(1, _env.local_world_size())  # 0 with more local processes than CPUs
 
 
 def _start_method(context: object) -> str:
@@ -431,6 +427,13 @@ def _check_tune_args(loader: object, max_seconds: object, candidates: object) ->
             f"tune_loader(loader={_short_repr(loader)}): expected a torch.utils.data.DataLoader, got "
             f"{type(loader).__name__}. Pass the loader itself, e.g. tune_loader(DataLoader(ds, 64))."
         )
+    if type(loader) is not DataLoader:
+        raise TypeError(
+            f"tune_loader(loader={type(loader).__name__}): a DataLoader subclass would be rebuilt as a plain "
+            f"DataLoader and lose what the subclass adds (a DistributedLoader would stop advancing its "
+            f"epoch). Tune the plain loader first, then wrap it: "
+            f"loader = distributed(tune_loader(loader)[0])."
+        )
     if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)):
         raise TypeError(f"{said}: max_seconds must be a number of seconds. Pass e.g. max_seconds=20.")
     if not (math.isfinite(max_seconds) and max_seconds > 0):
@@ -545,11 +548,11 @@ def tune_loader(
         progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
 
     Returns:
-        ``(new_loader, report)``: a plain ``DataLoader`` (a subclass of DataLoader is rebuilt as a plain
-        one), and a :class:`LoaderReport` (``print`` it).
+        ``(new_loader, report)``: a plain ``DataLoader`` and a :class:`LoaderReport` (``print`` it).
 
     Raises:
-        TypeError: ``loader`` is not a DataLoader, or an argument has the wrong type.
+        TypeError: ``loader`` is not a plain DataLoader (a subclass, such as ``distributed()``'s, would lose
+            its behaviour: tune first, then wrap), or an argument has the wrong type.
         ValueError: ``max_seconds`` <= 0, or a malformed candidate.
 
     Example:

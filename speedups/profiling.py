@@ -512,7 +512,7 @@ class StepProfiler:
             return
         self._warn_once(
             "accumulate-step",
-            f"check(): optimizer.step() was called by hand on an optimizer that @accumulate steps "
+            f"speedups.check: optimizer.step() was called by hand on an optimizer that @accumulate steps "
             f"(after micro-step {step.step}, {step.pending} of {step.every} of the window accumulated), "
             f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
             f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps on every {step.every}-th "
@@ -527,7 +527,7 @@ class StepProfiler:
             if any((t := r()) is not None and t.grad_fn is not None for r in old):
                 self._warn_once(
                     "kept-graph",
-                    "profile_steps(debug=True): a loss tensor from an earlier step is still alive with its "
+                    "speedups.check: a loss tensor from an earlier step is still alive with its "
                     "autograd graph (e.g. `losses.append(loss)`), which keeps that step's activations in "
                     "memory. Fix: `losses.append(loss.detach())`, or `tracker = LossTracker(); "
                     "tracker.update(loss)`.",
@@ -544,7 +544,7 @@ class StepProfiler:
         if self._sampler_epochs.get(id(sampler)) == epoch:
             self._warn_once(
                 "sampler-epoch",
-                f"profile_steps(debug=True): the DistributedSampler was iterated again with the same epoch "
+                f"speedups.check: the DistributedSampler was iterated again with the same epoch "
                 f"({epoch}), so every epoch replays the same order. Fix: call "
                 f"`loader.sampler.set_epoch(epoch)` before each epoch, or `loader = distributed(loader)`, "
                 f"which does it for you.",
@@ -570,7 +570,7 @@ class StepProfiler:
                 if not module.require_backward_grad_sync:
                     self._warn_once(
                         "no-sync-forward",
-                        "profile_steps(debug=True): backward ran inside `model.no_sync()` but forward did "
+                        "speedups.check: backward ran inside `model.no_sync()` but forward did "
                         "not, so DDP still all-reduces this micro-step. Fix: put the forward inside too: "
                         "`with model.no_sync(): loss = loss_fn(model(x), y); loss.backward()`, or use "
                         "@accumulate, which does it for you.",
@@ -793,6 +793,24 @@ def check(*, model: torch.nn.Module | None = None, enabled: bool = True) -> Step
     iterated again with the same epoch (``set_epoch`` forgotten); ``optimizer.step()`` called by hand on a
     micro-step where ``@accumulate`` does not step; ``no_sync()`` around backward but not forward (``model``
     must be the DDP-wrapped model). Slower than plain profiling: every step is sampled.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``enabled`` is not a bool.
+        SpeedupsError: the same checker is entered twice.
+
+    Example:
+        >>> import warnings
+        >>> model = torch.nn.Linear(2, 1)
+        >>> losses = []
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     with check() as chk:
+        ...         for x in chk.iter([torch.randn(4, 2) for _ in range(3)]):
+        ...             loss = model(x).pow(2).mean()
+        ...             loss.backward()
+        ...             losses.append(loss)  # the mistake: keeps each step's graph
+        >>> any("losses.append(loss.detach())" in str(w.message) for w in caught)
+        True
     """
     return StepProfiler(debug=True, model=model, enabled=enabled)
 

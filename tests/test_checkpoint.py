@@ -124,3 +124,45 @@ def test_tracker_all_ranks_without_a_process_group_reads_local_values() -> None:
     assert tracker.compute() == pytest.approx(1.25) and tracker.state_dict()["all_ranks"] is True
     with pytest.raises(TypeError, match="all_ranks=1"):
         LossTracker(all_ranks=1)  # type: ignore[arg-type]
+
+
+def test_a_failing_load_puts_back_what_it_had_loaded(tmp_path: Path) -> None:
+    from speedups import accumulate
+
+    torch.manual_seed(0)
+    model, tracker = nn.Linear(3, 1), LossTracker()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step2 = accumulate(2, opt)(lambda: model(torch.ones(2, 3)).sum())
+    step2()
+    tracker.update(1.0)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model=model, opt=opt, step=step2, tracker=tracker)
+
+    fresh = nn.Linear(3, 1)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh_tracker = LossTracker()
+    fresh_tracker.update(5.0)
+    step4 = accumulate(4, fresh_opt)(lambda: fresh(torch.ones(2, 3)).sum())  # another window size: refused
+    weights = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(ValueError, match="accumulated over 2 micro-steps"):
+        load_checkpoint(path, model=fresh, opt=fresh_opt, tracker=fresh_tracker, step=step4)
+    torch.testing.assert_close([p.detach() for p in fresh.parameters()], weights, atol=0, rtol=0)
+    assert not fresh_opt.state and fresh_tracker.compute() == 5.0 and len(fresh_tracker) == 1
+
+
+def test_optimizer_state_of_other_shapes_is_refused(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c.pt", opt=opt)
+    other = nn.Linear(5, 2)  # same number of parameters, other shapes
+    other_opt = torch.optim.Adam(other.parameters())
+    with pytest.raises(SpeedupsError, match=r"state 'exp_avg' of parameter 0 has shape \(1, 3\)"):
+        load_checkpoint(tmp_path / "c.pt", opt=other_opt)
+    assert not other_opt.state
+
+
+def test_a_checkpoint_of_plain_values_reads_back(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path / "p.pt", epoch=3, note="x")
+    assert load_checkpoint(tmp_path / "p.pt") == {"epoch": 3, "note": "x"}

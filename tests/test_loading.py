@@ -414,3 +414,14 @@ def test_tune_loader_rejects_a_non_loader() -> None:
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("loading", timeout=240)
     assert "num_workers=0" in stdout and "tune_loader" in stdout and "batches/s" in stdout
+
+
+def test_tune_loader_refuses_a_subclass_it_would_flatten() -> None:
+    from speedups import distributed
+
+    loader = distributed(DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, shuffle=True), rank=0,
+                         world_size=2)  # fmt: skip
+    with pytest.raises(TypeError, match=r"distributed\(tune_loader\(loader\)\[0\]\)"):
+        tune_loader(loader, max_seconds=1)
+    epochs = [[b[0].tolist() for b in loader] for _ in range(2)]
+    assert epochs[0] != epochs[1]  # the loader still advances its epoch

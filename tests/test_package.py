@@ -121,3 +121,16 @@ def test_readme_python_examples_run(index: int, tmp_path: Path) -> None:
     script.write_text(_python_blocks()[index])
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.distributed
+def test_readme_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    """The README says to run its Tip 9 block with torchrun: do exactly that, with 2 processes."""
+    from tests._dist import run_torchrun
+
+    (block,) = [b for b in _python_blocks() if "ddp_wrap(" in b]
+    script = tmp_path / "readme_ddp.py"
+    script.write_text(block)
+    out = run_torchrun(script, nproc=2, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("epoch 1: ") == 1  # printed by rank 0 only
