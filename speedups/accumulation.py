@@ -110,7 +110,7 @@ class _Accumulator:
             with ctx:
                 out = wrapped(*args, **kwargs)
                 loss, n = self._parse(out)
-                detached = loss.detach()
+                detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 if self.check_losses:  # checked for NaN/inf at the boundary, in one go
                     self.losses.append(detached)
                 work = None

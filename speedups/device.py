@@ -148,7 +148,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
 
     Raises:
         TypeError: ``device`` or ``non_blocking`` has the wrong type.
-        ValueError: ``device`` is not a device name.
+        ValueError: ``device`` is not a device name, or ``obj`` contains itself.
         SpeedupsError: ``device`` does not exist on this machine; the message lists the ones that do.
 
     Example:
@@ -160,7 +160,13 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TypeError(f"to_device(non_blocking={non_blocking!r}): expected True, False or None.")
     target = resolve_device(device, call="to_device")
-    return tree_map(_LeafMover(target, non_blocking), obj, _moves_itself)
+    try:
+        return tree_map(_LeafMover(target, non_blocking), obj, _moves_itself)
+    except RecursionError:
+        raise ValueError(
+            f"to_device(<{type(obj).__name__}>): the input nests too deeply or contains itself (a reference "
+            f"cycle), so it cannot be walked. Pass a tree of containers (dicts, lists, tuples, dataclasses)."
+        ) from None
 
 
 def _moves_itself(obj: Any) -> bool:

@@ -185,6 +185,14 @@ def fast_loader(
         ('DataLoader', True)
     """
     said = f"fast_loader(batch_size={batch_size!r}, num_workers={num_workers!r}, seed={seed!r})"
+    if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "__iter__")) or isinstance(
+        dataset, (str, bytes)
+    ):
+        raise TypeError(
+            f"fast_loader(dataset={_short_repr(dataset)}): expected a map-style dataset (with __getitem__ "
+            f"and __len__) or an IterableDataset, got {type(dataset).__name__}. "
+            f"E.g. fast_loader(TensorDataset(x, y), 64)."
+        )
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
         raise TypeError(
             f"{said}: batch_size must be an int or None, got {type(batch_size).__name__}. "

@@ -190,7 +190,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         """Decorate ``fn`` so that each call runs inside its own entry of this context.
 
         Raises:
-            TypeError: ``fn`` is a class (decorate its method instead) or not callable.
+            TypeError: ``fn`` is a class (decorate its method instead), a generator function, or not callable.
         """
         if inspect.isclass(fn):
             raise TypeError(
@@ -199,6 +199,11 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             )
         if not callable(fn):
             raise TypeError(f"mixed_precision(...)({fn!r}): expected a function or method to decorate.")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"mixed_precision(...)({getattr(fn, '__name__', fn)}): a generator function runs its body "
+                f"after the call has returned, outside autocast. Use `with mixed_precision(...):` inside it."
+            )
         if self.dtype is None:
             return fn
 

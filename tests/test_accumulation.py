@@ -505,3 +505,9 @@ def test_decorating_something_that_is_not_a_step_function_raises(target) -> None
     _, opt, _ = _pair()
     with pytest.raises(TypeError, match="expected the step function"):
         accumulate(2, opt)(target)
+
+
+def test_a_one_element_loss_comes_back_0_dim() -> None:
+    model, opt, _ = _pair()
+    train_step = accumulate(2, opt)(lambda: model(torch.ones(4, 3)).pow(2).mean().reshape(1, 1))
+    assert train_step().shape == ()

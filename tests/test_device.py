@@ -205,3 +205,10 @@ def test_objects_that_move_themselves_are_not_taken_apart() -> None:
 
     out = to_device([Batch(torch.ones(2))], META)
     assert calls == [META] and out[0].x.device == META
+
+
+def test_a_batch_that_contains_itself_is_a_clear_error() -> None:
+    batch: list = [torch.ones(1)]
+    batch.append(batch)
+    with pytest.raises(ValueError, match="contains itself"):
+        to_device(batch, META)

@@ -425,3 +425,9 @@ def test_tune_loader_refuses_a_subclass_it_would_flatten() -> None:
         tune_loader(loader, max_seconds=1)
     epochs = [[b[0].tolist() for b in loader] for _ in range(2)]
     assert epochs[0] != epochs[1]  # the loader still advances its epoch
+
+
+@pytest.mark.parametrize("dataset", [None, 5, "abc"])
+def test_fast_loader_rejects_what_is_not_a_dataset(dataset) -> None:
+    with pytest.raises(TypeError, match=r"fast_loader\(dataset="):
+        fast_loader(dataset, 4)

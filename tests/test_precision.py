@@ -448,3 +448,11 @@ def test_enabled_false_does_not_need_the_device() -> None:
         assert not torch.is_autocast_enabled("cpu")
     with pytest.raises(SpeedupsError, match="no cuda device"):
         mixed_precision("bf16", device_type="cuda")
+
+
+def test_decorating_a_generator_function_is_refused() -> None:
+    def batches():
+        yield torch.ones(1)
+
+    with pytest.raises(TypeError, match="generator function"):
+        mixed_precision("bf16", device_type="cpu")(batches)
