@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(topic)
         sections.append(f"## {topic}{'' if ok else ' (FAILED)'}\n\n```\n{text.strip()}\n```\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.md").write_text("\n".join(sections))
+    latest = RESULTS / "latest.md"
+    if args.only and latest.exists():  # keep the other topics' sections of the last run
+        kept = [f"## {part}" for part in latest.read_text().split("\n## ")[1:]]
+        kept = [k for k in kept if k.split()[1] not in chosen]
+        sections = [sections[0], *sorted([*kept, *sections[1:]])]
+    latest.write_text("\n".join(sections))
     print(f"results: {RESULTS / 'latest.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
