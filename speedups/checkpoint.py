@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -245,8 +246,15 @@ def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any
         return _load_dcp(path, objects)
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint({str(path)!r}): no checkpoint file there.")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
     said = f"load_checkpoint({str(path)!r})"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpeedupsError(
+            f"{said}: not a checkpoint written by speedups.save_checkpoint (torch.load: {first}). "
+            f"Pass the path save_checkpoint wrote."
+        ) from err
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise SpeedupsError(f"{said}: not a checkpoint written by speedups.save_checkpoint.")
     saved = payload["objects"]

@@ -166,3 +166,14 @@ def test_optimizer_state_of_other_shapes_is_refused(tmp_path: Path) -> None:
 def test_a_checkpoint_of_plain_values_reads_back(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "p.pt", epoch=3, note="x")
     assert load_checkpoint(tmp_path / "p.pt") == {"epoch": 3, "note": "x"}
+
+
+def test_a_file_that_is_not_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(SpeedupsError, match=r"not a checkpoint written by speedups\.save_checkpoint"):
+        load_checkpoint(junk, model=nn.Linear(2, 1))
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)  # a torch file, but not ours
+    with pytest.raises(SpeedupsError, match=r"not a checkpoint written by speedups\.save_checkpoint"):
+        load_checkpoint(other, model=nn.Linear(2, 1))
