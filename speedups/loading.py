@@ -248,6 +248,10 @@ def fast_loader(
         workers = int(num_workers)
 
     user_init = kwargs.get("worker_init_fn")
+    if user_init is not None and not callable(user_init):
+        raise TypeError(
+            f"fast_loader(worker_init_fn={user_init!r}): expected a function of the worker id, or None."
+        )
     kwargs["worker_init_fn"] = (
         _seed_worker if user_init is None else functools.partial(_seed_worker, init_fn=user_init)
     )
@@ -571,6 +575,8 @@ def tune_loader(
         >>> report.chosen["num_workers"]
         0
     """
+    if not isinstance(progress, bool):
+        raise TypeError(f"tune_loader(progress={progress!r}): expected True or False.")
     explicit = _check_tune_args(loader, max_seconds, candidates)
     began = time.perf_counter()
     deadline = began + float(max_seconds)

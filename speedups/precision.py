@@ -275,6 +275,13 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 f"mixed_precision.load_state_dict(state): expected the dict of mixed_precision.state_dict() "
                 f"with keys ['dtype', 'scaler'], got {sorted(state) if isinstance(state, dict) else state!r}."
             )
+        if state["scaler"] is not None and not (
+            isinstance(state["scaler"], dict) and {"scale", "_growth_tracker"} <= set(state["scaler"])
+        ):
+            raise ValueError(
+                "mixed_precision.load_state_dict(state): state['scaler'] is not a GradScaler state "
+                "(expected a dict with 'scale' and '_growth_tracker'). Pass what state_dict() returned."
+            )
         if state["scaler"] is not None:
             if self.scaler is None:
                 raise ValueError(

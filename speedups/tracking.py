@@ -351,6 +351,11 @@ def _check_value(value: object) -> None:
                 f"LossTracker.update(value=<tensor of shape {tuple(value.shape)}>): expected a scalar loss "
                 f"(0-dim or one element). Reduce it first, e.g. tracker.update(loss.mean())."
             )
+        if value.is_meta:
+            raise ValueError(
+                "LossTracker.update(value=<meta tensor>): a meta tensor holds no value to average. "
+                "Record real losses (run the model on a real device)."
+            )
         if not value.is_floating_point():
             raise TypeError(
                 f"LossTracker.update(value=<tensor of dtype {value.dtype}>): expected a floating-point loss."
@@ -375,7 +380,11 @@ def _check_n(n: object) -> None:
         raise TypeError(
             f"LossTracker.update(n={n!r}): expected a positive int or float, got {type(n).__name__}."
         )
-    if not (math.isfinite(float(n)) and float(n) > 0):
+    try:
+        as_float = float(n)
+    except OverflowError:  # an int beyond float range
+        as_float = math.inf
+    if not (math.isfinite(as_float) and as_float > 0):
         raise ValueError(
             f"LossTracker.update(n={n!r}): n is the number of items the value averages and must be positive "
             f"and finite, e.g. n=len(batch)."

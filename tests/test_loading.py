@@ -431,3 +431,10 @@ def test_tune_loader_refuses_a_subclass_it_would_flatten() -> None:
 def test_fast_loader_rejects_what_is_not_a_dataset(dataset) -> None:
     with pytest.raises(TypeError, match=r"fast_loader\(dataset="):
         fast_loader(dataset, 4)
+
+
+def test_fast_loader_and_tune_loader_check_their_flags() -> None:
+    with pytest.raises(TypeError, match=r"worker_init_fn=5"):
+        fast_loader(list(range(4)), 2, worker_init_fn=5)
+    with pytest.raises(TypeError, match=r"progress='no'"):
+        tune_loader(DataLoader(list(range(4)), batch_size=2), progress="no")

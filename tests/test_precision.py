@@ -456,3 +456,11 @@ def test_decorating_a_generator_function_is_refused() -> None:
 
     with pytest.raises(TypeError, match="generator function"):
         mixed_precision("bf16", device_type="cpu")(batches)
+
+
+def test_load_state_dict_rejects_a_scaler_state_that_is_not_one() -> None:
+    amp = mixed_precision("fp16", device_type="cpu")
+    good = amp.state_dict()
+    with pytest.raises(ValueError, match="not a GradScaler state"):
+        amp.load_state_dict({"dtype": 1, "scaler": {"a": 1}})
+    amp.load_state_dict(good)

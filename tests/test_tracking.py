@@ -198,3 +198,12 @@ def test_load_state_dict_leaves_the_tracker_unchanged_on_bad_values(bad) -> None
     with pytest.raises(ValueError, match=r"load_state_dict\(state\): state\["):
         tracker.load_state_dict(bad)
     assert len(tracker) == 2 and tracker.compute() == pytest.approx(2.5)
+
+
+def test_meta_values_and_huge_counts_are_refused_up_front() -> None:
+    tracker = LossTracker()
+    with pytest.raises(ValueError, match="meta tensor"):
+        tracker.update(torch.empty((), device="meta"))
+    with pytest.raises(ValueError, match=r"n=1000"):
+        tracker.update(1.0, n=10**400)
+    assert len(tracker) == 0
