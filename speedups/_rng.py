@@ -17,7 +17,7 @@ import torch
 __all__ = ["get_rng_states", "set_rng_states", "preserved_rng"]
 
 
-def _numpy() -> Any:
+def numpy_or_none() -> Any:
     try:
         import numpy
     except ImportError:  # numpy is optional for speedups
@@ -25,7 +25,7 @@ def _numpy() -> Any:
     return numpy
 
 
-def _mps_available() -> bool:
+def mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available() and hasattr(torch, "mps"))
 
@@ -39,9 +39,9 @@ def get_rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
-    if _mps_available():
+    if mps_available():
         states["mps"] = torch.mps.get_rng_state()
-    np = _numpy()
+    np = numpy_or_none()
     if np is not None:
         states["numpy"] = np.random.get_state()
     return states
@@ -56,7 +56,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "mps" in states:
         torch.mps.set_rng_state(states["mps"])
     if "numpy" in states:
-        _numpy().random.set_state(states["numpy"])
+        numpy_or_none().random.set_state(states["numpy"])
 
 
 @contextlib.contextmanager

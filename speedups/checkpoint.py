@@ -14,8 +14,6 @@ import copy
 import io
 import os
 import pickle
-import random
-import sys
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -25,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedups import _env
+from speedups import _env, _rng
+from speedups._rng import get_rng_states, set_rng_states
 from speedups.distributed import DistributedLoader
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -88,26 +87,32 @@ def _unwrap(obj: Any) -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+    """This process's RNG states (:func:`speedups._rng.get_rng_states`), in a form ``weights_only`` loads."""
+    state = get_rng_states()
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    kind, *rest = state["python"]
-    random.setstate((kind, tuple(rest[0]), *rest[1:]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+def _set_rng_state(saved: dict[str, Any]) -> None:
+    """Undo :func:`_rng_state`'s conversions and restore; states of devices or libraries absent here are
+    skipped."""
+    state = dict(saved)
+    kind, *rest = state["random"]
+    state["random"] = (kind, tuple(rest[0]), *rest[1:])  # weights_only loading turns tuples into lists
+    np = _rng.numpy_or_none()
+    if "numpy" in state:
+        if np is None:
+            del state["numpy"]
+        else:
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            state["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
+    if "cuda" in state and not torch.cuda.is_available():
+        del state["cuda"]
+    if "mps" in state and not _rng.mps_available():
+        del state["mps"]
+    set_rng_states(state)
 
 
 def _gather_rng() -> list[dict[str, Any]]:
