@@ -112,8 +112,16 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         init_method = f"tcp://{_env.master_addr()}:{_env.master_port()}"
     wait = timedelta(seconds=float(timeout))
+    common: dict[str, Any] = {
+        "backend": backend,
+        "rank": here.rank,
+        "world_size": here.world_size,
+        "timeout": wait,
+    }
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt != "0":
+    if attempt == "0":
+        dist.init_process_group(init_method=init_method, **common)
+    else:
         # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the keys of the
         # attempt that crashed (each rank's address): a restarted rank could read a dead peer's address and
         # fail with "connection refused". A prefix per attempt keeps the attempts apart.
@@ -121,10 +129,8 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
             init_method or "env://", rank=here.rank, world_size=here.world_size, timeout=wait
         )
         store = dist.PrefixStore(f"speedups/attempt_{attempt}", next(rendezvous)[0])
-        dist.init_process_group(
-            backend=backend, store=store, rank=here.rank, world_size=here.world_size, timeout=wait
-        )
-        return True
+        dist.init_process_group(store=store, **common)
+    return True
     dist.init_process_group(
         backend=backend, init_method=init_method, rank=here.rank, world_size=here.world_size, timeout=wait
     )

@@ -14,6 +14,7 @@ import torch
 
 from speedups import _env
 from speedups._hardware import cpu_has_native_bf16, usable_cpus
+from speedups.loading import _cpus_per_process
 
 __all__ = ["diagnose", "format_diagnosis", "main"]
 
@@ -24,7 +25,8 @@ def diagnose() -> dict[str, Any]:
     Returns:
         A dict with keys ``python``, ``torch``, ``cuda`` (version or None), ``gpus`` (list of dicts with
         ``name``, ``memory_gib``, ``bf16``), ``mps``, ``cpu_capability``, ``cpu_native_bf16``,
-        ``usable_cpus``, ``distributed_backends`` (list of names), ``rank``, ``local_rank``, ``world_size``.
+        ``usable_cpus``, ``auto_workers`` (what ``fast_loader(num_workers="auto")`` picks),
+        ``distributed_backends`` (list of names), ``rank``, ``local_rank``, ``world_size``.
     """
     gpus = []
     if torch.cuda.is_available():
@@ -56,6 +58,7 @@ def diagnose() -> dict[str, Any]:
         "cpu_capability": cpu_capability,
         "cpu_native_bf16": cpu_has_native_bf16(),
         "usable_cpus": usable_cpus(),
+        "auto_workers": _cpus_per_process(),
         "distributed_backends": backends,
         "rank": _env.rank(),
         "local_rank": _env.local_rank(),
@@ -85,7 +88,7 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         "",
         "What that means for each tip:",
     ]
-    workers = d["usable_cpus"] // max(1, _env.local_world_size())
+    workers = d["auto_workers"]
     lines.append(
         f"  1-2 loaders: fast_loader's num_workers='auto' gives {workers} worker process(es) per training "
         f"process here; tune_loader measures which count is fastest."
