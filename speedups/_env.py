@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "Placement",
+    "pg_ready",
     "is_distributed",
     "local_rank",
     "local_world_size",
@@ -57,20 +58,21 @@ def _read_int(names: tuple[str, str], default: int, env: Mapping[str, str] | Non
     return default
 
 
-def _pg_ready() -> bool:
+def pg_ready() -> bool:
+    """True when torch.distributed is built in and a default process group is initialised."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def rank(env: Mapping[str, str] | None = None) -> int:
     """Return this process's global rank (0 in a single-process run)."""
-    if env is None and _pg_ready():
+    if env is None and pg_ready():
         return int(torch.distributed.get_rank())
     return _read_int(_RANK, 0, env)
 
 
 def world_size(env: Mapping[str, str] | None = None) -> int:
     """Return the number of processes in the job (1 in a single-process run)."""
-    if env is None and _pg_ready():
+    if env is None and pg_ready():
         return int(torch.distributed.get_world_size())
     return _read_int(_WORLD_SIZE, 1, env)
 
