@@ -73,7 +73,8 @@ def integer(
     allowed += f" and <= {maximum}" if maximum is not None else ""
     allowed += " or None" if none_ok else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected {allowed}, got {type(value).__name__}.{_fix(name, example)}")
+        got = type(value).__name__
+        raise TypeError(f"{name}={value!r}: expected {allowed}, got {got}.{_fix(name, example)}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{name}={value!r}: must be {allowed}.{_fix(name, example)}")
     return value
@@ -102,7 +103,8 @@ def real(
     kind = "a positive" if positive else "a non-negative" if non_negative else "a"
     allowed = f"{kind}{' finite' if finite else ''} number" + (" or None" if none_ok else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r}: expected {allowed}, got {type(value).__name__}.{_fix(name, example)}")
+        got = type(value).__name__
+        raise TypeError(f"{name}={value!r}: expected {allowed}, got {got}.{_fix(name, example)}")
     try:
         number = float(value)
     except OverflowError:
@@ -117,7 +119,9 @@ def real(
     return number
 
 
-def instance(value: Any, types: type | tuple[type, ...], name: str, *, what: str, none_ok: bool = False) -> Any:
+def instance(
+    value: Any, types: type | tuple[type, ...], name: str, *, what: str, none_ok: bool = False
+) -> Any:
     """Return ``value`` if it is an instance of ``types`` (or None when ``none_ok``); else ``TypeError``.
 
     ``what`` says in words what is expected (``"a torch.optim.Optimizer"``).
@@ -126,4 +130,5 @@ def instance(value: Any, types: type | tuple[type, ...], name: str, *, what: str
         return value
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    raise TypeError(f"{name}={shown}: expected {what}{' or None' if none_ok else ''}, got {type(value).__name__}.")
+    allowed = what + (" or None" if none_ok else "")
+    raise TypeError(f"{name}={shown}: expected {allowed}, got {type(value).__name__}.")

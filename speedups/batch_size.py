@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from speedups import _env
+from speedups import _env, _validate
 from speedups._rng import get_rng_states, set_rng_states
 from speedups.errors import SpeedupsError
 
@@ -151,7 +151,7 @@ def _restoring(snapshot: _Snapshot) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------ find_batch_size
-def _validate(
+def _check_arguments(
     step: object, model: object, optimizer: object, start: object, max_size: object, mode: object
 ) -> None:
     said = f"find_batch_size(start={start!r}, max_size={max_size!r}, mode={mode!r})"
@@ -170,13 +170,9 @@ def _validate(
             f"find_batch_size(optimizer={type(optimizer).__name__}): optimizer must be a "
             f"torch.optim.Optimizer or None. Pass the optimizer the step calls .step() on."
         )
-    for name, value in (("start", start), ("max_size", max_size)):
-        if value is None and name == "max_size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{said}: {name} must be an int. Pass e.g. start=2, max_size=4096.")
-        if value < 1:
-            raise ValueError(f"{said}: {name} must be at least 1. Pass e.g. start=2.")
+    with _validate.arguments(said):
+        _validate.integer(start, "start", minimum=1, example="2")
+        _validate.integer(max_size, "max_size", minimum=1, none_ok=True, example="4096")
     if max_size is not None and start > max_size:  # type: ignore[operator]
         raise ValueError(
             f"{said}: start is larger than max_size. Allowed: 1 <= start <= max_size. "
@@ -197,29 +193,13 @@ def find_batch_size(
 ) -> int:
     """Return the largest batch size at which ``step(batch_size)`` runs without running out of memory.
 
-    ``step(batch_size)`` must run one whole training step at that batch size, as your loop does: forward,
-    backward, and ``optimizer.step()`` (so the optimizer's state, such as Adam's two moments, is allocated
-    and counted). Sizes grow by doubling from ``start``; on an out-of-memory error (:func:`_is_out_of_memory`)
-    the search backs off. ``mode="power"`` returns the last size that succeeded before the first failure;
-    ``mode="binsearch"`` then bisects between that success and the first failure. If ``start`` itself fails,
-    sizes halve down to 1. The result is always a size that actually ran.
-
-    Before each step and at the end (also when ``step`` raises), the probe's effects are undone, bitwise:
-    the model's ``state_dict`` (BatchNorm running statistics and ``num_batches_tracked`` included) and its
-    non-persistent buffers, the values of optimizer parameters outside the model, the optimizer's
-    ``state_dict`` (step counts, moments, ``param_groups``), every module's train/eval flag, every
-    parameter's ``requires_grad`` and ``.grad`` (None stays None; a gradient tensor is the same object,
-    refilled in place), and the global RNG states (torch CPU, CUDA,
-    MPS, numpy, random). The snapshot lives in host memory, so it takes none of the device memory probed.
-    After an out-of-memory error, ``gc.collect()`` and ``torch.cuda.empty_cache()`` release what the failed
-    step held.
-
-    When it does not help: memory use that grows over steps (a cache, a growing sequence length) or a
-    different input shape in training than in ``step`` is not seen by one probe step; leave headroom
-    (e.g. use 80-90% of the result). On the CPU, memory may run out through the operating system's
-    out-of-memory killer rather than an error: always pass ``max_size`` there. Method: the "power" and
-    "binsearch" scaling of Lightning's ``BatchSizeFinder``, with the state restored completely.
-
+    ``step(batch_size)`` runs one whole training step as your loop does (forward, backward,
+    ``optimizer.step()``, so optimizer state is counted). Sizes double from ``start``; on out-of-memory the
+    search backs off (``"power"``: the last success; ``"binsearch"``: then bisects). The result always ran.
+    Every probe's effects are undone bitwise (model and optimizer state, buffers, train flags,
+    ``requires_grad``, ``.grad``, global RNG states), from a snapshot in host memory. It does not see memory
+    that grows over steps or other input shapes: leave headroom. On the CPU pass ``max_size`` (the OS may
+    kill the process instead of raising). Method: Lightning's ``BatchSizeFinder`` scaling, fully restored.
     Sync points: whatever ``step`` does; each restore copies host to device.
 
     Args:
@@ -251,7 +231,7 @@ def find_batch_size(
         >>> len(opt.state)  # the probe's Adam state was removed again
         0
     """
-    _validate(step, model, optimizer, start, max_size, mode)
+    _check_arguments(step, model, optimizer, start, max_size, mode)
     snapshot = _Snapshot(model, optimizer)
 
     def fits(size: int) -> bool:
@@ -355,15 +335,10 @@ def accumulation_plan(
         f"max_micro_batch_size={max_micro_batch_size!r}, world_size={world_size!r})"
     )
     ws = _env.world_size() if world_size is None else world_size
-    for name, value in (
-        ("effective_batch_size", effective_batch_size),
-        ("max_micro_batch_size", max_micro_batch_size),
-        ("world_size", ws),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{said}: {name} must be an int. Pass e.g. accumulation_plan(256, 32).")
-        if value < 1:
-            raise ValueError(f"{said}: {name} must be at least 1. Pass e.g. accumulation_plan(256, 32).")
+    with _validate.arguments(said):
+        _validate.integer(effective_batch_size, "effective_batch_size", minimum=1, example="256")
+        _validate.integer(max_micro_batch_size, "max_micro_batch_size", minimum=1, example="32")
+        _validate.integer(ws, "world_size", minimum=1, example="2")
     if effective_batch_size % ws:
         raise ValueError(
             f"{said}: the effective batch is not divisible by the world size {ws}, so ranks cannot share it "

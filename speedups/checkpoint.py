@@ -35,8 +35,7 @@ _PLAIN = (type(None), bool, int, float, str, torch.Tensor)
 
 
 def _pg() -> bool:
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return _env.pg_ready() and torch.distributed.get_world_size() > 1
 
 
 def _fsdp_type() -> type | None:

@@ -161,7 +161,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         raise TypeError(f"to_device(non_blocking={non_blocking!r}): expected True, False or None.")
     target = resolve_device(device, call="to_device")
     try:
-        return tree_map(_LeafMover(target, non_blocking), obj, _moves_itself)
+        return tree_map(LeafMover(target, non_blocking), obj, moves_itself)
     except RecursionError:
         raise ValueError(
             f"to_device(<{type(obj).__name__}>): the input nests too deeply or contains itself (a reference "
@@ -169,7 +169,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         ) from None
 
 
-def _moves_itself(obj: Any) -> bool:
+def moves_itself(obj: Any) -> bool:
     """Whether ``obj`` is a leaf for the walk: a tensor, a module, or an object whose class has ``.to``.
 
     The last case includes containers that know how to move themselves and must not be taken apart, such
@@ -180,7 +180,7 @@ def _moves_itself(obj: Any) -> bool:
     )
 
 
-class _LeafMover:
+class LeafMover:
     """The function :func:`to_device` applies to each leaf, for an already resolved ``target``.
 
     Built once and reused by callers on a hot path (``shard_model``'s hooks), so a call costs no device

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import wrapt
 
-from speedups import _env, _step
+from speedups import _env, _step, _validate
 from speedups._hardware import cpu_has_native_bf16
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -48,42 +48,27 @@ def _known_device_types() -> list[str]:
 class mixed_precision:  # lowercase like torch.autocast: used as a function/context manager
     """Run the enclosed forward pass in 16-bit autocast, with loss scaling for fp16.
 
-    A context manager and a decorator. Each ``with`` entry (and each call of a decorated function) creates its
-    own ``torch.autocast``, so one object nests and can be used from several threads at once; nothing about an
-    entry is kept on the object.
+    A context manager and a decorator; each entry makes its own ``torch.autocast``, so one object nests and
+    serves several threads. It speeds up devices with fast 16-bit matmuls (GPU tensor cores, CPUs with
+    AVX-512 BF16 or AMX) and halves activation memory; elsewhere ``"auto"`` stays in fp32 with one
+    :class:`~speedups.SpeedupsWarning` (rank 0 only). ``"auto"`` picks bf16 where supported, else fp16 with
+    loss scaling on older GPUs. An explicit dtype torch would silently ignore raises instead.
 
-    What it saves: on GPUs with tensor cores, 16-bit matmuls and convolutions run several times faster and
-    activations take half the memory. It does not help where the device has no fast 16-bit path: CPUs
-    without native bf16 (emulated bf16 is far slower than fp32), and fp16 on any CPU. ``"auto"`` knows this
-    and stays in fp32 there.
+    fp16 owns a ``torch.amp.GradScaler`` (:attr:`scaler`). Inside an ``@accumulate`` step (stacked under the
+    decorator or as ``with`` in its body) the step takes the scaler over: it scales each backward, unscales
+    once per optimizer step before clipping, and skips the optimizer and scheduler steps on overflow.
+    Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
 
-    ``dtype="auto"`` picks bf16 on GPUs that support it, fp16 with loss scaling on older GPUs, bf16 on CPUs
-    with native bf16 (AVX-512 BF16 or AMX), and otherwise stays in fp32 with one
-    :class:`~speedups.SpeedupsWarning` (rank 0 only) saying why. An explicit ``"bf16"`` or ``"fp16"`` is
-    honoured where torch supports it (fp16 on a CPU works, with a CPU GradScaler, but is slow) and raises
-    where torch would silently disable autocast.
-
-    fp16 owns a ``torch.amp.GradScaler`` (:attr:`scaler`). Entered inside an ``@accumulate`` step (stacked
-    under the decorator, or as ``with`` in the step's body), the step takes the scaler over: it scales each
-    backward, unscales once per optimizer step before clipping, and skips the optimizer and scheduler steps
-    on overflow. Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
-
-    Sync points: none in the context. :meth:`step` with fp16: ``GradScaler.step``'s own check for inf/NaN
-    (one host-device sync per optimizer step, as in the PyTorch AMP recipe).
-
-    From: "Mixed Precision Training" (Micikevicius et al., 2018) for fp16 loss scaling; PyTorch's
-    "Automatic Mixed Precision" documentation (``torch.autocast``, ``torch.amp.GradScaler``).
+    Sync points: none in the context; fp16 :meth:`step` makes ``GradScaler.step``'s one inf/NaN check.
+    From: Micikevicius et al., "Mixed Precision Training" (2018); PyTorch's AMP documentation.
 
     Args:
         dtype: ``"auto"``, ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``,
             ``torch.bfloat16`` or ``torch.float16``.
         device_type: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``, ...); None: the type of
             this process's default device.
-        init_scale: the GradScaler's first loss scale (fp16 only). Too high a scale overflows and skips the
-            first steps while the scaler halves it (its calibration); a lower one skips fewer.
-        enabled: False makes the object a true no-op (no autocast, no scaler; a decorated function is
-            returned unchanged; :meth:`backward`/:meth:`step` are plain ``loss.backward()`` and
-            ``optimizer.step()``).
+        init_scale: the GradScaler's first loss scale (fp16 only); a lower one skips fewer first steps.
+        enabled: False makes it a true no-op (:meth:`backward`/:meth:`step` become the plain calls).
 
     Raises:
         TypeError: ``dtype`` or ``device_type`` of the wrong type; decorating a class.
@@ -108,17 +93,9 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         init_scale: float = 2.0**16,
         enabled: bool = True,
     ) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"mixed_precision(enabled={enabled!r}): expected True or False.")
-        if (
-            isinstance(init_scale, bool)
-            or not isinstance(init_scale, (int, float))
-            or not (0 < init_scale < float("inf"))
-        ):
-            raise ValueError(
-                f"mixed_precision(init_scale={init_scale!r}): expected a positive finite loss scale, "
-                f"e.g. init_scale=2.0**16 (GradScaler's default)."
-            )
+        with _validate.arguments(f"mixed_precision({dtype!r})"):
+            _validate.flag(enabled, "enabled")
+            _validate.real(init_scale, "init_scale", positive=True, example="2.0**16")
         self.device_type = _check_device_type(device_type, dtype, enabled=enabled)
         self.dtype: torch.dtype | None = None
         """The autocast dtype, or None when the object is a no-op (fp32)."""

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from speedups import _compat
+from speedups import _compat, _validate
 from speedups._tree import tree_map
-from speedups.device import DeviceLike, _LeafMover, _moves_itself, resolve_device
+from speedups.device import DeviceLike, LeafMover, moves_itself, resolve_device
 from speedups.errors import SpeedupsError
 
 __all__ = ["shard_model", "unshard_model"]
@@ -60,22 +60,22 @@ class _MoveInputs:
     """Forward pre-hook (with_kwargs): move positional and keyword inputs, nested, to one device."""
 
     def __init__(self, device: torch.device) -> None:
-        self.move = _LeafMover(device)
+        self.move = LeafMover(device)
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return tree_map(self.move, args, _moves_itself), tree_map(self.move, kwargs, _moves_itself)
+        return tree_map(self.move, args, moves_itself), tree_map(self.move, kwargs, moves_itself)
 
 
 class _MoveOutput:
     """Forward hook: bring a mapped submodule's output back to the device of the code that called it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.move = _LeafMover(device)
+        self.move = LeafMover(device)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        return tree_map(self.move, output, _moves_itself)
+        return tree_map(self.move, output, moves_itself)
 
 
 class _RootIO:
@@ -83,8 +83,8 @@ class _RootIO:
 
     def __init__(self, compute_device: torch.device, output_device: torch.device | None) -> None:
         self.compute_device = compute_device
-        self.to_compute = _LeafMover(compute_device)
-        self.to_output = None if output_device is None else _LeafMover(output_device)
+        self.to_compute = LeafMover(compute_device)
+        self.to_output = None if output_device is None else LeafMover(output_device)
         self.input_device: torch.device | None = None
 
     def _see_and_move(self, leaf: Any) -> Any:
@@ -96,12 +96,12 @@ class _RootIO:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.input_device = None
-        moved_args, moved_kwargs = tree_map(self._see_and_move, (args, kwargs), _moves_itself)
+        moved_args, moved_kwargs = tree_map(self._see_and_move, (args, kwargs), moves_itself)
         return moved_args, moved_kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        move = self.to_output or _LeafMover(self.input_device or self.compute_device)
-        return tree_map(move, output, _moves_itself)
+        move = self.to_output or LeafMover(self.input_device or self.compute_device)
+        return tree_map(move, output, moves_itself)
 
 
 class _UnwrapStateDict:
@@ -142,37 +142,14 @@ def shard_model(
 ) -> M:
     """Place submodules of ``model`` on devices by name, and move activations between them for you.
 
-    Model parallelism: each key of ``device_map`` names a submodule, which moves to its device and gets a
-    forward pre-hook that moves its positional and keyword inputs (any nesting, as :func:`~speedups.to_device`
-    moves them) to that device, and a forward hook that brings its output back to ``default_device``. So the
-    model's own ``forward`` runs unchanged: code outside the mapped submodules (a parameter on the root, an
-    unmapped head, ``h + self.pos``) runs on ``default_device`` and always receives the submodules' outputs
-    there. The root gets a pre-hook moving the model's inputs to ``default_device`` and a hook moving its
-    output to ``output_device``. A list of CUDA devices replicates that submodule with ``nn.DataParallel``
-    across them (data parallel inside one shard; its input goes to the first of them).
-
-    It saves memory per device (each device holds only its shard's parameters, gradients and activations),
-    not time: shards run one after another, and every crossing is a copy. It does not help a model that fits
-    one device (use data parallelism there). Each mapped submodule's output returns to ``default_device``,
-    so two mapped submodules called one after the other cost two copies (B to default, default to C) instead
-    of one: choose ``default_device`` where the unmapped code and most crossings are.
-
-    Training works as on one device: gradients equal the unsharded model's (autograd moves them back across
-    each copy); build the optimizer after sharding (parameters move as ``nn.Module.to`` moves them,
-    which may replace the parameter objects; tied weights stay tied). ``state_dict()`` keys are those of
-    the unsharded model, also under ``nn.DataParallel`` (its ``module.`` level is removed on save and added
-    on load), so checkpoints move between placements with ``load_state_dict`` (loading copies each tensor
-    to where the parameter is). ``named_parameters()`` shows the ``module.`` level of a replicated
-    submodule. Composes with anything built on hooks or
-    autocast (``mixed_precision``, ``accumulate``): the model is still the user's ``nn.Module``.
-
-    Sync points: none added on the host side; a copy from a CUDA device to the CPU waits for the GPU (as
-    ``.cpu()`` does). Pinned CPU tensors go to CUDA with ``non_blocking=True``.
-
-    Gotchas: only calls through ``module(...)`` are hooked: code that reaches into a mapped submodule's
-    parameters from outside (``F.linear(h, self.encoder.embed.weight)``) or calls ``submodule.forward``
-    directly gets no moves. Tensors shared between places that map to different devices (tied weights) are
-    refused, since a tensor lives on one device.
+    Model parallelism with hooks: each mapped submodule moves to its device; a forward pre-hook moves its
+    inputs there (any nesting, as :func:`~speedups.to_device` does) and a forward hook brings its output back
+    to ``default_device``, where the unmapped code runs, so ``forward`` runs unchanged. A list of CUDA
+    devices replicates that submodule with ``nn.DataParallel``. It saves memory per device, not time (shards
+    run one after another; each crossing is a copy). Gradients equal the unsharded model's; build the
+    optimizer after sharding. ``state_dict()`` keys are the unsharded model's (also under DataParallel).
+    Only calls through ``module(...)`` are hooked; tied tensors cannot span two devices.
+    Sync points: none on the host; a CUDA-to-CPU copy waits for the GPU, as ``.cpu()`` does.
 
     Args:
         model: the model; changed in place and returned.
@@ -198,8 +175,7 @@ def shard_model(
             holds a non-CUDA device, or a tied tensor would go to two devices.
         SpeedupsError: a device does not exist here (the message lists what does), ``model`` (or a
             submodule) is already sharded, or a tensor on ``meta`` would have to move to a real device.
-
-    Nothing is moved or registered when it raises.
+            Nothing is moved or registered when it raises.
 
     Example:
         >>> from collections import OrderedDict
@@ -210,8 +186,8 @@ def shard_model(
         >>> unshard_model(model, "meta").encoder.weight.device   # hooks removed, one device again
         device(type='meta')
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"shard_model(enabled={enabled!r}): expected True or False.")
+    with _validate.arguments("shard_model(model, device_map)"):
+        _validate.flag(enabled, "enabled")
     if not enabled:
         return model
     plan = _plan(model, device_map, default_device, output_device)

@@ -208,11 +208,15 @@ def test_even_size_one_out_of_memory_raises_with_state_restored() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"start": 0}, ValueError, r"find_batch_size\(start=0.*at least 1"),
+        (
+            {"start": 0},
+            ValueError,
+            r"find_batch_size\(start=0.*: start=0: must be an int >= 1\. Write start=2",
+        ),
         ({"start": 64, "max_size": 32}, ValueError, "start is larger than max_size"),
         ({"mode": "linear"}, ValueError, r"unknown mode. Allowed: \('power', 'binsearch'\)"),
-        ({"start": 2.0}, TypeError, "start must be an int"),
-        ({"max_size": 0}, ValueError, "max_size must be at least 1"),
+        ({"start": 2.0}, TypeError, r"start=2\.0: expected an int >= 1, got float"),
+        ({"max_size": 0}, ValueError, r"max_size=0: must be an int >= 1 or None"),
     ],
 )
 def test_bad_arguments_raise_before_anything_runs(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -288,11 +292,11 @@ def test_accumulation_plan_reads_the_world_size(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
-        ((0, 8), {}, ValueError, "effective_batch_size must be at least 1"),
-        ((64, 0), {}, ValueError, "max_micro_batch_size must be at least 1"),
+        ((0, 8), {}, ValueError, r"effective_batch_size=0: must be an int >= 1"),
+        ((64, 0), {}, ValueError, r"max_micro_batch_size=0: must be an int >= 1"),
         ((63, 8), {"world_size": 2}, ValueError, "not divisible by the world size 2"),
-        ((64.0, 8), {}, TypeError, "effective_batch_size must be an int"),
-        ((64, 8), {"world_size": 0}, ValueError, "world_size must be at least 1"),
+        ((64.0, 8), {}, TypeError, r"effective_batch_size=64\.0: expected an int >= 1, got float"),
+        ((64, 8), {"world_size": 0}, ValueError, r"world_size=0: must be an int >= 1"),
     ],
 )
 def test_accumulation_plan_bad_input(args: tuple, kwargs: dict, error: type[Exception], match: str) -> None:

@@ -327,11 +327,12 @@ def test_cpu_capability_check_agrees_with_torch_on_this_machine() -> None:
         ({"dtype": "bf16", "device_type": "gpu"}, ValueError, r"device_type='gpu'\): not a device type"),
         ({"dtype": "bf16", "device_type": "meta"}, ValueError, r"device_type='meta'\): not a device type"),
         ({"dtype": "bf16", "device_type": 0}, TypeError, r"device_type=0\): expected a device type string"),
-        ({"enabled": "yes"}, TypeError, r"mixed_precision\(enabled='yes'\)"),
+        ({"enabled": "yes"}, TypeError, r"mixed_precision\('auto'\): enabled='yes': expected True or False"),
         (
             {"dtype": "fp16", "init_scale": 0},
             ValueError,
-            r"mixed_precision\(init_scale=0\): expected a positive",
+            r"mixed_precision\('fp16'\): init_scale=0: must be a positive finite number\. "
+            r"Write init_scale=2\.0\*\*16\.",
         ),
     ],
 )
