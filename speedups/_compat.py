@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["register_load_state_dict_pre_hook", "register_state_dict_post_hook"]
+__all__ = ["compiled_inner", "register_load_state_dict_pre_hook", "register_state_dict_post_hook"]
 
 
 def register_state_dict_post_hook(
@@ -35,3 +36,17 @@ def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., Non
     if public is not None:
         return public(hook)
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def compiled_inner(module: object) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, or None if ``module`` is not one.
+
+    ``OptimizedModule`` lives in the private ``torch._dynamo.eval_frame``; nothing is imported here (that
+    costs seconds): if that module was never imported, no compiled module can exist.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        inner = getattr(module, "_orig_mod", None)
+        return inner if isinstance(inner, nn.Module) else None
+    return None
