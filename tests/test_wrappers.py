@@ -1,4 +1,4 @@
-"""One rule for model wrappers: DDP (via a 1-process gloo group), DataParallel and torch.compile, any order."""
+"""One rule for model wrappers: DDP (a 1-process gloo group), DataParallel and torch.compile, any order."""
 
 from __future__ import annotations
 
