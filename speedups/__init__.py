@@ -7,20 +7,20 @@ from speedups.accumulation import accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.device import default_device, resolve_device, to_device
-from speedups.distributed import (
-    DistributedLoader,
+from speedups.distributed_loader import DistributedLoader, distributed
+from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.loader_tuning import LoaderReport, tune_loader
+from speedups.loaders import fast_loader
+from speedups.precision import mixed_precision
+from speedups.process_group import (
     ddp_wrap,
     destroy_distributed,
-    distributed,
     init_distributed,
     is_main_process,
     rank_zero_only,
     rank_zero_print,
     seed_everything,
 )
-from speedups.errors import SpeedupsError, SpeedupsWarning
-from speedups.loading import LoaderReport, fast_loader, tune_loader
-from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker

@@ -6,7 +6,9 @@ import functools
 import os
 import platform
 
-__all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "usable_cpus"]
+from speedups import _env
+
+__all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "cpus_per_process", "usable_cpus"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,3 +55,12 @@ def usable_cpus() -> int:
     if getaffinity is not None:
         return len(getaffinity(0))
     return os.cpu_count() or 1
+
+
+def cpus_per_process() -> int:
+    """Return the CPUs this process may use, shared among the job's processes on this node.
+
+    ``usable_cpus() // LOCAL_WORLD_SIZE``: what ``fast_loader(num_workers="auto")`` gives each process,
+    and the top of ``tune_loader``'s grid. 0 when the node runs more processes than it has CPUs.
+    """
+    return usable_cpus() // max(1, _env.local_world_size())

@@ -25,7 +25,7 @@ from torch import nn
 
 from speedups import _env, _rng
 from speedups._rng import get_rng_states, set_rng_states
-from speedups.distributed import DistributedLoader
+from speedups.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["load_checkpoint", "save_checkpoint"]

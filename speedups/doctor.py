@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from speedups import _env
-from speedups._hardware import cpu_has_native_bf16, usable_cpus
-from speedups.loading import _cpus_per_process
+from speedups._hardware import cpu_has_native_bf16, cpus_per_process, usable_cpus
 
 __all__ = ["diagnose", "format_diagnosis", "main"]
 
@@ -58,7 +57,7 @@ def diagnose() -> dict[str, Any]:
         "cpu_capability": cpu_capability,
         "cpu_native_bf16": cpu_has_native_bf16(),
         "usable_cpus": usable_cpus(),
-        "auto_workers": _cpus_per_process(),
+        "auto_workers": cpus_per_process(),
         "distributed_backends": backends,
         "rank": _env.rank(),
         "local_rank": _env.local_rank(),

@@ -1,39 +1,22 @@
-"""fast_loader and tune_loader: defaults, worker seeding, pickling under spawn/forkserver, same batches."""
+"""tune_loader: the same batches in the same order, the RNG streams untouched, a report that says why."""
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import pickle
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-from speedups import LoaderReport, SpeedupsError, SpeedupsWarning, fast_loader, tune_loader
-from speedups.loading import _seed_worker
+from speedups import LoaderReport, SpeedupsWarning, fast_loader, tune_loader
 from tests._bench import run_quick
-from tests._loading_data import SeedProbe, Squares, Stream, identity_collate, record_init
+from tests._loading_data import Squares, Stream, record_init
 
-ROOT = Path(__file__).resolve().parent.parent
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
 needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
-
-
-def _rows(loader: DataLoader) -> list[tuple[int, ...]]:
-    """The SeedProbe items of one epoch, one tuple per sample."""
-    return [tuple(int(v) for v in item) for batch in loader for item in zip(*batch, strict=True)]
-
-
-def _expected_streams(seed: int) -> tuple[np.random.RandomState, random.Random]:
-    """The numpy and random streams speedups derives from a worker's torch seed."""
-    return np.random.RandomState(np.random.SeedSequence(seed).generate_state(4)), random.Random(
-        f"speedups-worker-{seed}"
-    )
 
 
 # ------------------------------------------------------------------------------------------ A6 and pickling
@@ -57,35 +40,6 @@ def test_a6_unpicklable_collate_stays_at_zero_workers_with_one_warning(method: s
     assert "cannot be pickled" in report.reason
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-@pytest.mark.parametrize("culprit", ["dataset", "collate_fn", "worker_init_fn"])
-def test_fast_loader_names_the_unpicklable_object_before_any_worker(method: str, culprit: str) -> None:
-    class LocalDataset(Dataset):  # a local class cannot be pickled
-        def __len__(self) -> int:
-            return 4
-
-        def __getitem__(self, i: int) -> int:
-            return i
-
-    kwargs: dict = {"collate_fn": identity_collate, "worker_init_fn": record_init}
-    dataset: object = list(range(4))
-    if culprit == "dataset":
-        dataset = LocalDataset()
-    else:
-        kwargs[culprit] = lambda *a: a
-    with pytest.raises(SpeedupsError, match=rf"fast_loader\({culprit}=.*'{method}'.*num_workers=0"):
-        fast_loader(dataset, 2, num_workers=2, multiprocessing_context=method, **kwargs)
-
-
-@needs_fork
-def test_fork_does_not_pickle_so_a_lambda_collate_gets_workers() -> None:
-    loader = fast_loader(
-        list(range(8)), 2, num_workers=2, collate_fn=lambda b: b, multiprocessing_context="fork"
-    )
-    assert loader.num_workers == 2
-    assert list(loader) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-
 def test_picklable_code_under_forkserver_may_get_workers() -> None:
     loader = DataLoader(Squares(64), batch_size=8, num_workers=1, multiprocessing_context="forkserver")
     tuned, report = tune_loader(
@@ -97,156 +51,7 @@ def test_picklable_code_under_forkserver_may_get_workers() -> None:
     assert [b.tolist() for b in tuned] == [b.tolist() for b in DataLoader(Squares(64), batch_size=8)]
 
 
-def test_installed_worker_init_fn_pickles() -> None:
-    plain = fast_loader(list(range(4)), 2, num_workers=0)
-    wrapped = fast_loader(list(range(4)), 2, num_workers=0, worker_init_fn=record_init)
-    assert plain.worker_init_fn is _seed_worker
-    assert isinstance(wrapped.worker_init_fn, functools.partial)
-    for fn in (plain.worker_init_fn, wrapped.worker_init_fn):
-        assert pickle.loads(pickle.dumps(fn)) is not None
-
-
-# ------------------------------------------------------------------------------------------ worker seeding
-@needs_fork
-@pytest.mark.parametrize("persistent", [True, False])
-def test_worker_streams_are_distinct_across_workers_and_epochs_and_reproducible(persistent: bool) -> None:
-    def two_epochs(**kw: object) -> list[list[tuple[int, ...]]]:
-        loader = fast_loader(
-            SeedProbe(8),
-            2,
-            num_workers=2,
-            multiprocessing_context="fork",
-            persistent_workers=persistent,
-            **kw,
-        )
-        return [_rows(loader), _rows(loader)]
-
-    first = two_epochs(seed=123)
-    assert first == two_epochs(seed=123)  # reproducible from the seed
-    assert first == two_epochs(generator=torch.Generator().manual_seed(123))  # ... or the generator
-    assert first != two_epochs(seed=124)
-    draws = [(row[3], row[4]) for epoch in first for row in epoch]  # (numpy, random) of every item
-    assert len(set(draws)) == len(draws)  # no two items, workers or epochs share a draw
-    for epoch in first:
-        assert {row[1] for row in epoch} == {0, 1}
-    # Every draw comes from speedups' derivation of torch's per-worker seed; persistent workers keep
-    # their seed and continue its streams into the next epoch, others get a new seed each epoch.
-    rows = [row for epoch in first for row in epoch]
-    for seed in {row[2] for row in rows}:
-        mine = [row for row in rows if row[2] == seed]
-        np_rs, py_rs = _expected_streams(seed)
-        assert [r[3] for r in mine] == [int(np_rs.randint(2**31)) for _ in mine]
-        assert [r[4] for r in mine] == [py_rs.getrandbits(31) for _ in mine]
-    seeds = [{r[2] for r in epoch} for epoch in first]
-    if persistent:
-        assert seeds[0] == seeds[1]
-    else:
-        assert seeds[0].isdisjoint(seeds[1])
-
-
-@needs_fork
-def test_users_worker_init_fn_is_called_after_ours() -> None:
-    loader = fast_loader(
-        SeedProbe(4),
-        2,
-        num_workers=2,
-        seed=7,
-        multiprocessing_context="fork",
-        worker_init_fn=functools.partial(record_init, offset=500),
-    )
-    rows = _rows(loader)
-    for r in rows:
-        np_rs, _ = _expected_streams(r[2])
-        init_draw = int(np_rs.randint(2**31))  # the user's init drew first from our seeded stream
-        assert r[6] == (500 + r[1]) * 1000 + init_draw % 1000
-
-
-def test_spawn_workers_run_the_seeding_and_the_users_init() -> None:
-    loader = fast_loader(
-        SeedProbe(4), 2, num_workers=1, seed=3, multiprocessing_context="spawn", worker_init_fn=record_init
-    )
-    rows = _rows(loader)
-    assert [r[0] for r in rows] == [0, 1, 2, 3]
-    np_rs, _ = _expected_streams(rows[0][2])
-    assert rows[0][6] == 100 * 1000 + int(np_rs.randint(2**31)) % 1000
-    assert rows[0][3] == int(np_rs.randint(2**31))
-
-
-# ------------------------------------------------------------------------------------- fast_loader defaults
-def test_auto_workers_use_affinity_divided_by_local_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    loader = fast_loader(list(range(16)), 4)
-    assert loader.num_workers == 4
-    assert loader.persistent_workers and loader.prefetch_factor == 2
-    assert loader.pin_memory is torch.cuda.is_available()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    loader = fast_loader(list(range(16)), 4, prefetch_factor=3, persistent_workers=True)
-    assert loader.num_workers == 1 and loader.prefetch_factor == 3  # the user's value wins
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 6)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert fast_loader(list(range(16)), 4).num_workers == 6
-
-
-def test_prefetch_keeps_four_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert fast_loader(list(range(4)), 2, num_workers=1).prefetch_factor == 4
-    assert fast_loader(list(range(4)), 2, num_workers=2).prefetch_factor == 2
-    assert fast_loader(list(range(4)), 2, num_workers=0).prefetch_factor is None
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # less than one CPU each: no workers, no worker settings
-    loader = fast_loader(list(range(4)), 2, prefetch_factor=4, multiprocessing_context="spawn")
-    assert loader.num_workers == 0 and loader.prefetch_factor is None
-
-
-def test_auto_zero_workers_drops_worker_only_settings() -> None:
-    with pytest.warns(SpeedupsWarning, match="IterableDataset"):
-        loader = fast_loader(
-            Stream(4), 2, prefetch_factor=4, persistent_workers=True, multiprocessing_context="spawn"
-        )
-    assert loader.num_workers == 0 and not loader.persistent_workers and loader.prefetch_factor is None
-
-
-def test_pin_memory_only_when_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert fast_loader(list(range(4)), 2, num_workers=0).pin_memory is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert fast_loader(list(range(4)), 2, num_workers=0).pin_memory is False
-    assert fast_loader(list(range(4)), 2, num_workers=0, pin_memory=True).pin_memory is True
-
-
-def test_iterable_dataset_auto_gets_zero_workers_with_a_warning() -> None:
-    with pytest.warns(SpeedupsWarning, match="IterableDataset gets 0 workers"):
-        loader = fast_loader(Stream(5), 2)
-    assert loader.num_workers == 0
-    assert [b.tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0]]
-
-
-def test_same_batches_as_a_plain_dataloader_with_the_same_generator() -> None:
-    mine = fast_loader(Squares(10), 3, shuffle=True, num_workers=0, seed=11)
-    plain = DataLoader(Squares(10), 3, shuffle=True, generator=torch.Generator().manual_seed(11))
-    for a, b in zip(list(mine) + list(mine), list(plain) + list(plain), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"batch_size": 0}, ValueError, r"fast_loader\(batch_size=0.*at least 1"),
-        ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
-        ({"batch_size": 2, "num_workers": -1}, ValueError, r"num_workers=-1.*>= 0"),
-        ({"batch_size": 2, "num_workers": "many"}, TypeError, "num_workers must be 'auto'"),
-        ({"batch_size": 2, "seed": 1, "generator": torch.Generator()}, ValueError, "both seed and generator"),
-        ({"batch_size": 2, "shuffle": "yes"}, TypeError, "shuffle must be a bool"),
-        ({"batch_size": 2, "workers": 2}, TypeError, r"unknown DataLoader argument\(s\) \['workers'\]"),
-    ],
-)
-def test_fast_loader_bad_input(kwargs: dict, error: type[Exception], match: str) -> None:
-    with pytest.raises(error, match=match):
-        fast_loader(list(range(4)), **kwargs)
-
-
-# ------------------------------------------------------------------------------------------ tune_loader
+# ------------------------------------------------------------------------------- same batches, same streams
 def _global_rng() -> tuple:
     return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
 
@@ -350,7 +155,8 @@ def test_report_prints_a_table_with_the_choice_and_why() -> None:
 
 
 def test_choice_prefers_fewer_workers_within_five_percent() -> None:
-    from speedups.loading import LoaderTrial, _choose
+    from speedups._loader_timing import LoaderTrial
+    from speedups.loader_tuning import _choose
 
     trials = [LoaderTrial(0, False, None, 10.0, 9, 1), LoaderTrial(2, False, 2, 30.0, 9, 1)]
     trials += [LoaderTrial(4, False, 2, 31.0, 9, 1)]
@@ -361,7 +167,7 @@ def test_choice_prefers_fewer_workers_within_five_percent() -> None:
 
 
 def test_progress_bar_appears_only_after_a_second() -> None:
-    from speedups.loading import _progress
+    from speedups.loader_tuning import _progress
 
     bar = _progress(3, True)
     try:
@@ -394,7 +200,7 @@ def test_iterable_dataset_keeps_its_workers_and_says_so() -> None:
         ({"max_seconds": 0}, ValueError, r"tune_loader\(max_seconds=0.*positive"),
         ({"max_seconds": -1}, ValueError, "positive"),
         ({"max_seconds": math.nan}, ValueError, "finite"),
-        ({"max_seconds": "10"}, TypeError, "number of seconds"),
+        ({"max_seconds": "10"}, TypeError, "max_seconds='10': expected a positive finite number"),
         ({"candidates": []}, TypeError, "non-empty list"),
         ({"candidates": [{"workers": 2}]}, ValueError, "each candidate"),
         ({"candidates": [{"num_workers": -1}]}, ValueError, ">= 0"),
@@ -427,14 +233,6 @@ def test_tune_loader_refuses_a_subclass_it_would_flatten() -> None:
     assert epochs[0] != epochs[1]  # the loader still advances its epoch
 
 
-@pytest.mark.parametrize("dataset", [None, 5, "abc"])
-def test_fast_loader_rejects_what_is_not_a_dataset(dataset) -> None:
-    with pytest.raises(TypeError, match=r"fast_loader\(dataset="):
-        fast_loader(dataset, 4)
-
-
-def test_fast_loader_and_tune_loader_check_their_flags() -> None:
-    with pytest.raises(TypeError, match=r"worker_init_fn=5"):
-        fast_loader(list(range(4)), 2, worker_init_fn=5)
+def test_tune_loader_checks_its_progress_flag() -> None:
     with pytest.raises(TypeError, match=r"progress='no'"):
         tune_loader(DataLoader(list(range(4)), batch_size=2), progress="no")

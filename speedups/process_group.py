@@ -1,0 +1,335 @@
+"""Tip 9, the process half: the process group from torchrun or SLURM, ``ddp_wrap``, and rank-zero helpers.
+
+The step from one process to many is where hand-written loops break quietly: the global rank is used as a
+GPU index on the second node, a dead peer hangs the job, every rank prints. This module gives:
+
+- :func:`init_distributed` / :func:`destroy_distributed`: the process group from torchrun's or SLURM's
+  variables, with a timeout, and its clean end.
+- :func:`ddp_wrap`: the model on this process's device, in ``DistributedDataParallel`` or FSDP2.
+- :func:`seed_everything`, :func:`is_main_process`, :func:`rank_zero_only`, :func:`rank_zero_print`.
+
+The data half (:func:`~speedups.distributed`) is in :mod:`speedups.distributed_loader`. The same script runs
+unchanged as one plain process: without a launcher everything here is a no-op that returns the model on its
+device.
+"""
+
+from __future__ import annotations
+
+import builtins
+import gc
+import inspect
+import os
+import random
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import wrapt
+from torch import nn
+
+from speedups import _env, _validate
+from speedups.device import default_device
+from speedups.errors import SpeedupsError
+
+__all__ = [
+    "ddp_wrap",
+    "destroy_distributed",
+    "init_distributed",
+    "is_main_process",
+    "rank_zero_only",
+    "rank_zero_print",
+    "seed_everything",
+]
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""Seconds a collective may wait for a peer before the job fails (torch's own default for gloo)."""
+
+
+# ---------------------------------------------------------------------------------------- process group
+def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Initialise the default process group from the environment, once; return whether one is running.
+
+    Reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or SLURM's
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, the first host of ``SLURM_JOB_NODELIST`` as the master address,
+    ``MASTER_PORT`` or 29500 as the port). Nothing is written to ``os.environ``: the address goes to
+    ``init_process_group`` as ``init_method="tcp://host:port"`` with the rank and world size.
+    With CUDA the backend is nccl and the current CUDA device is set to ``cuda:LOCAL_RANK`` (never the
+    global rank); otherwise gloo. A world size of 1 (no launcher) initialises nothing and returns False;
+    an already initialised process group is left as it is and returns True.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or None (nccl with CUDA, gloo otherwise).
+        timeout: seconds a collective waits for a peer before failing (default 1800), so a dead peer ends
+            the job instead of hanging it. Raise it if rank 0 alone does long work (a huge checkpoint)
+            between collectives.
+
+    Returns:
+        True when a process group with more than one process is initialised.
+
+    Raises:
+        TypeError: ``timeout`` is not a number, or ``backend`` is not a string or None.
+        ValueError: ``timeout`` is not positive and finite.
+        SpeedupsError: the environment contradicts itself (``RANK >= WORLD_SIZE``, ...), or ``LOCAL_RANK``
+            names a GPU this machine does not have.
+
+    Example:
+        >>> init_distributed()  # a plain process: nothing to do
+        False
+    """
+    with _validate.arguments(f"init_distributed(backend={backend!r}, timeout={timeout!r})"):
+        _validate.real(timeout, "timeout", positive=True, example="1800 (seconds)")
+        _validate.instance(backend, str, "backend", what="'nccl', 'gloo'", none_ok=True)
+    dist = torch.distributed
+    if _env.pg_ready():
+        return int(dist.get_world_size()) > 1
+    if not dist.is_available():
+        return False
+    here = _env.placement(call="init_distributed()")
+    if here.world_size == 1:
+        return False
+    device = default_device()  # validates LOCAL_RANK against the GPUs present, before anything starts
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # torchrun (MASTER_ADDR and MASTER_PORT set): env://, which joins torchrun's own store. SLURM alone: the
+    # first node of the job, passed explicitly (no env writes).
+    init_method = None
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        init_method = f"tcp://{_env.master_addr()}:{_env.master_port()}"
+    wait = timedelta(seconds=float(timeout))
+    common: dict[str, Any] = {
+        "backend": backend,
+        "rank": here.rank,
+        "world_size": here.world_size,
+        "timeout": wait,
+    }
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        dist.init_process_group(init_method=init_method, **common)
+    else:
+        # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the keys of the
+        # attempt that crashed (each rank's address): a restarted rank could read a dead peer's address and
+        # fail with "connection refused". A prefix per attempt keeps the attempts apart.
+        rendezvous = dist.rendezvous(
+            init_method or "env://", rank=here.rank, world_size=here.world_size, timeout=wait
+        )
+        store = dist.PrefixStore(f"speedups/attempt_{attempt}", next(rendezvous)[0])
+        dist.init_process_group(store=store, **common)
+    return True
+
+
+def destroy_distributed() -> None:
+    """End the job's process group cleanly: collect garbage, wait for every rank, destroy the group.
+
+    Call it once per process at the very end, after the function that held the DDP model has returned
+    (the pattern of ``examples/train_ddp.py``: ``accuracy = train(args); destroy_distributed()``). A
+    ``DistributedDataParallel`` model still alive when the process group is destroyed makes the process abort
+    at exit ("terminate called without an active exception", seen with gloo on torch 2.14 about every other
+    run); its reducer is freed by the garbage collection done here, while the group still exists. The
+    barrier keeps a fast rank from tearing down its connections while a slow one still talks to it. No-op
+    without a process group.
+
+    Sync points: one barrier (a collective: every rank must call it).
+    """
+    if not _env.pg_ready():
+        return
+    gc.collect()  # free DDP reducers that only reference cycles keep alive
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """Return True on global rank 0 (the process that logs and writes checkpoints), and in a plain run.
+
+    Reads the process group if one is initialised, else ``RANK``/``SLURM_PROCID``. Never the local rank:
+    on a second node, local rank 0 is not the main process.
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    return _env.rank() == 0
+
+
+@wrapt.decorator
+def rank_zero_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    """Decorate a function so it runs on global rank 0 only and returns None elsewhere.
+
+    For logging, writing files and printing. Never decorate a function that runs a collective (all-reduce,
+    barrier, ``LossTracker(all_ranks=True).compute()``): the other ranks would wait for it forever (until
+    the process group's timeout). Works on methods; the signature is kept.
+
+    Example:
+        >>> @rank_zero_only
+        ... def log(msg):
+        ...     return f"logged {msg}"
+        >>> log("hi")
+        'logged hi'
+    """
+    if _env.rank() != 0:
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def rank_zero_print(*args: Any, **kwargs: Any) -> None:
+    """``print`` on global rank 0 only: one line per job instead of one per process.
+
+    Example:
+        >>> rank_zero_print("epoch", 1)
+        epoch 1
+    """
+    if _env.rank() == 0:
+        builtins.print(*args, **kwargs)
+
+
+def seed_everything(seed: int) -> int:
+    """Seed Python's ``random``, NumPy (if installed), and torch on the CPU and every CUDA device.
+
+    Call it once at the start, with the same seed on every rank: models then start identical (DDP also
+    broadcasts rank 0's weights) and :func:`~speedups.distributed` loaders agree on the order. Dropout
+    masks are then the same on every rank too; add the rank (``seed + rank``) after wrapping if that
+    matters to you.
+
+    Args:
+        seed: an int in [0, 2**32 - 1] (NumPy's range).
+
+    Returns:
+        The seed.
+
+    Raises:
+        TypeError: ``seed`` is not an int.
+        ValueError: ``seed`` is out of range.
+
+    Example:
+        >>> _ = seed_everything(3); a = torch.rand(2)
+        >>> _ = seed_everything(3); bool((a == torch.rand(2)).all())
+        True
+    """
+    with _validate.arguments(f"seed_everything(seed={seed!r})"):
+        fix = "0 (NumPy's range: 0 to 2**32 - 1)"
+        _validate.integer(seed, "seed", minimum=0, maximum=2**32 - 1, example=fix)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device, lazily
+    return seed
+
+
+# ---------------------------------------------------------------------------------------------- ddp_wrap
+def _fully_shard() -> Callable[..., Any] | None:
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    if fsdp is None:
+        try:
+            import torch.distributed.fsdp as fsdp
+        except ImportError:
+            return None
+    return getattr(fsdp, "fully_shard", None)
+
+
+def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Module:
+    """Move ``model`` to this process's device and wrap it for data parallelism across the process group.
+
+    Initialises the process group from the environment first if needed (:func:`init_distributed`). The
+    device is ``cuda:LOCAL_RANK`` with CUDA (never the global rank), else the CPU. ``strategy="ddp"`` wraps
+    in ``torch.nn.parallel.DistributedDataParallel`` (``device_ids=[LOCAL_RANK]`` on CUDA): every rank holds
+    the whole model and one all-reduce of the gradients per backward averages them, so N ranks each doing a
+    batch of B equal one process doing the global batch of N*B. ``strategy="fsdp"`` applies FSDP2
+    ``fully_shard`` (parameters, gradients and optimizer state sharded across ranks; it returns the same
+    module object, now an ``FSDPModule``). Without a process group (world size 1) the model is returned on its
+    device, unwrapped, so one script runs with and without torchrun. With ``@accumulate`` the wrapped model's
+    ``no_sync`` / ``set_requires_gradient_sync`` skip the all-reduce inside an accumulation window.
+
+    When it does not help: one process, or a model too small for the all-reduce to hide behind compute.
+    Source: PyTorch's DDP notes (https://pytorch.org/docs/stable/notes/ddp.html) and the FSDP2 docs.
+
+    Args:
+        model: the module to train; at least one parameter must require grad.
+        strategy: ``"ddp"`` or ``"fsdp"``.
+        **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``) or to
+            ``fully_shard`` (e.g. ``reshard_after_forward=False``); checked against their signatures first.
+
+    Returns:
+        The wrapped model (DDP: a new module whose ``.module`` is yours; FSDP2: your module, sharded), or
+        ``model`` on its device when there is one process.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, it is already wrapped, or ``kwargs`` has a name the
+            wrapper does not take.
+        ValueError: ``strategy`` is not ``"ddp"``/``"fsdp"``, or no parameter requires grad.
+        SpeedupsError: FSDP2 is not in this torch, the environment contradicts itself, or ``LOCAL_RANK`` is
+            beyond the GPUs present. In every case the model is left untouched.
+
+    Example:
+        >>> net = ddp_wrap(nn.Linear(3, 1))   # a plain process: on its device, unwrapped
+        >>> type(net).__name__
+        'Linear'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"ddp_wrap(model={type(model).__name__}): expected a torch.nn.Module. Pass the model itself."
+        )
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"ddp_wrap(strategy={strategy!r}): unknown strategy. "
+            f"Use 'ddp' (replicas) or 'fsdp' (FSDP2 sharding)."
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel) or _is_fsdp(model):
+        raise TypeError(
+            f"ddp_wrap(model={type(model).__name__}): the model is already wrapped. "
+            f"Pass the plain module, once."
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"ddp_wrap(model={type(model).__name__}): no parameter requires grad, so there is nothing to "
+            f"synchronise. Unfreeze some (p.requires_grad_(True)) or skip ddp_wrap for a frozen model."
+        )
+    target: Callable[..., Any]
+    if strategy == "fsdp":
+        shard = _fully_shard()
+        if shard is None:
+            raise SpeedupsError(
+                "ddp_wrap(strategy='fsdp'): this torch has no torch.distributed.fsdp.fully_shard (FSDP2). "
+                "Upgrade torch, or use strategy='ddp'."
+            )
+        target = shard
+    else:
+        target = nn.parallel.DistributedDataParallel
+    _check_kwargs(target, kwargs, strategy)
+    _env.placement(call="ddp_wrap()")
+    device = default_device()
+    running = init_distributed()
+    model.to(device)
+    if not running:
+        return model
+    if strategy == "fsdp":
+        return target(model, **kwargs)
+    if device.type == "cuda":
+        kwargs.setdefault("device_ids", [device.index])
+    return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    fsdp_module = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    return fsdp_module is not None and isinstance(model, fsdp_module)
+
+
+def _check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], strategy: str) -> None:
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = [name for name in params if name not in ("self", "module")]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"ddp_wrap(strategy={strategy!r}, {', '.join(f'{k}=...' for k in unknown)}): "
+            f"{getattr(target, '__name__', target)} takes no argument {unknown}. It takes {allowed}."
+        )

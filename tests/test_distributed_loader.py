@@ -1,0 +1,143 @@
+"""Tip 9's data half in one process: distributed(loader) splits, advances, pads or not, and resumes.
+
+Multi-process runs (real torchrun jobs) are in tests/test_distributed_jobs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from speedups import DistributedLoader, distributed
+
+
+def _flat(loader) -> list[int]:
+    return [int(i) for batch in loader for i in batch]
+
+
+# --------------------------------------------------------------------------------------------- A3: sampler
+def test_a3_epochs_differ_ranks_disjoint_cover_all_agree_and_resume() -> None:
+    base = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    ranks = [distributed(base, rank=r, world_size=2) for r in (0, 1)]
+    epochs = [[_flat(loader) for loader in ranks] for _ in range(2)]  # two passes, no set_epoch by hand
+    for e in range(2):
+        r0, r1 = epochs[e]
+        assert len(r0) == len(r1) == 10 and not set(r0) & set(r1) and sorted(r0 + r1) == list(range(20))
+    assert epochs[0][0] != epochs[1][0]
+    # Both ranks agree on the permutation: it is torch's DistributedSampler with seed + epoch.
+    for e in range(2):
+        for r in (0, 1):
+            ref = DistributedSampler(list(range(20)), num_replicas=2, rank=r, shuffle=True, seed=0)
+            ref.set_epoch(e)
+            assert epochs[e][r] == list(ref)
+    # Resuming at epoch 1 replays epoch 1 exactly, on a fresh loader (set_epoch and state dict).
+    fresh = distributed(base, rank=1, world_size=2)
+    fresh.set_epoch(1)
+    assert _flat(fresh) == epochs[1][1]
+    again = distributed(base, rank=0, world_size=2)
+    again.load_state_dict({"epoch": 1, "batches": 0, "world_size": 2, "rank": 0})
+    assert _flat(again) == epochs[1][0] and again.epoch == 1
+
+
+def test_mid_epoch_state_resumes_without_replay_or_skip() -> None:
+    base = DataLoader(list(range(22)), batch_size=3, shuffle=True, drop_last=False)
+    full = distributed(base, rank=1, world_size=2)
+    _flat(full)  # epoch 0
+    it = iter(full)  # epoch 1
+    first = [next(it).tolist() for _ in range(2)]
+    state = full.state_dict()
+    assert state == {"epoch": 1, "batches": 2, "world_size": 2, "rank": 1}
+    rest = [b.tolist() for b in it]
+    assert full.state_dict() == {"epoch": 2, "batches": 0, "world_size": 2, "rank": 1}
+    resumed = distributed(base, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    assert len(resumed) == len(rest)
+    assert [b.tolist() for b in resumed] == rest and first + rest != rest
+    other = distributed(base, rank=1, world_size=4)
+    with pytest.raises(ValueError, match="world size 2, loaded with 4"):
+        other.load_state_dict(state)
+
+
+def test_even_false_gives_every_sample_exactly_once_without_padding() -> None:
+    base = DataLoader(list(range(11)), batch_size=2, shuffle=True)
+    padded = [_flat(distributed(base, rank=r, world_size=3)) for r in range(3)]
+    assert sum(map(len, padded)) == 12  # even=True pads like DistributedSampler
+    exact = [_flat(distributed(base, rank=r, world_size=3, even=False)) for r in range(3)]
+    assert sorted(exact[0] + exact[1] + exact[2]) == list(range(11)) and [len(e) for e in exact] == [4, 4, 3]
+    loaders = [distributed(base, rank=r, world_size=3, even=False) for r in range(3)]
+    assert [len(loader) for loader in loaders] == [2, 2, 2]
+
+
+def test_loader_settings_are_kept_and_the_original_untouched() -> None:
+    def collate(batch):
+        return torch.tensor(batch) * 10
+
+    g = torch.Generator().manual_seed(5)
+    base = DataLoader(list(range(9)), batch_size=2, shuffle=True, drop_last=True, collate_fn=collate,
+                      generator=g, pin_memory=False)  # fmt: skip
+    before = base.sampler
+    dl = distributed(base, rank=0, world_size=2)
+    assert isinstance(dl, DataLoader) and isinstance(dl, DistributedLoader)
+    assert (dl.batch_size, dl.drop_last, dl.collate_fn, dl.generator, dl.pin_memory) == (
+        2,
+        True,
+        collate,
+        g,
+        False,
+    )
+    assert isinstance(dl.sampler, DistributedSampler) and dl.sampler.rank == 0
+    assert len(dl) == 2 and all(int(v) % 10 == 0 for v in _flat(dl))  # 5 samples, drop_last: 2 batches
+    assert base.sampler is before and isinstance(base.sampler, RandomSampler)
+    # The original's sampler inside a user BatchSampler: rebuilt around the DistributedSampler.
+    user = DataLoader(list(range(10)), batch_sampler=BatchSampler(RandomSampler(range(10)), 3, False))
+    dl2 = distributed(user, rank=1, world_size=2)
+    assert isinstance(dl2.batch_sampler, BatchSampler) and dl2.batch_sampler.batch_size == 3
+    assert isinstance(dl2.distributed_sampler, DistributedSampler) and dl2.distributed_sampler.shuffle
+    assert [len(b) for b in dl2] == [3, 2]
+    # shuffle=None keeps the original's choice; explicit shuffle overrides it.
+    seq = DataLoader(list(range(8)), batch_size=2)
+    assert _flat(distributed(seq, rank=0, world_size=2)) == [0, 2, 4, 6]
+    assert distributed(seq, rank=0, world_size=2, shuffle=True).distributed_sampler.shuffle
+
+
+def test_loader_with_workers_still_works() -> None:
+    base = DataLoader(list(range(8)), batch_size=2, shuffle=True, num_workers=1, persistent_workers=True)
+    dl = distributed(base, rank=0, world_size=2)
+    assert dl.num_workers == 1 and dl.persistent_workers
+    epochs = [_flat(dl), _flat(dl)]
+    assert epochs[0] != epochs[1] or len(set(epochs[0])) == 4
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: distributed([1, 2, 3]), TypeError, r"distributed\(loader=list\): expected a torch"),
+        (lambda: distributed(DataLoader(_Stream())), TypeError, r"IterableDataset.*get_worker_info"),
+        (lambda: distributed(DataLoader(range(4), sampler=[0, 1])), TypeError, "sampler is a list"),
+        (lambda: distributed(DataLoader(range(4), shuffle=True), rank=2, world_size=2), ValueError, "rank"),
+        (lambda: distributed(DataLoader(range(4)), world_size=0), ValueError, "world_size=0"),
+        (lambda: distributed(DataLoader(range(4)), even="no"), TypeError, "even='no'"),
+        (lambda: distributed(distributed(DataLoader(range(4)))), ValueError, "already distributed"),
+        (lambda: distributed(DataLoader(range(4), sampler=RandomSampler(range(4), replacement=True))),
+         TypeError, "replacement"),
+    ],
+)  # fmt: skip
+def test_distributed_bad_input(call, error, match) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("bad", [{"batches": -2}, {"batches": 1.7}, {"epoch": -3}, {"batches": 10**6}])
+def test_loader_load_state_dict_rejects_impossible_positions(bad) -> None:
+    loader = distributed(DataLoader(list(range(10)), batch_size=3, shuffle=True), rank=0, world_size=2)
+    good = loader.state_dict()
+    with pytest.raises(ValueError, match=r"DistributedLoader.load_state_dict\(state\)"):
+        loader.load_state_dict({**good, **bad})
+    assert loader.state_dict() == good and len(list(loader)) == 2  # 5 samples on this rank: 2 batches
