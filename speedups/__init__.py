@@ -20,8 +20,9 @@ from speedups.distributed import (
 )
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.loading import LoaderReport, fast_loader, tune_loader
+from speedups.mistakes import check
 from speedups.precision import mixed_precision
-from speedups.profiling import StepProfiler, check, profile_steps
+from speedups.profiler import StepProfiler, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 
