@@ -21,7 +21,8 @@ from speedups.process_group import (
     rank_zero_print,
     seed_everything,
 )
-from speedups.profiling import StepProfiler, check, profile_steps
+from speedups.mistakes import check
+from speedups.profiler import StepProfiler, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 

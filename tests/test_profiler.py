@@ -1,0 +1,164 @@
+"""profile_steps: timing, sampled sync counts, the decorator, bad input, enabled=False, and the plot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import has_torch_function
+from torch.utils.data import DataLoader
+
+from speedups import SpeedupsError, profile_steps
+from tests._profiling_loops import SlowDataset, busy_step
+
+
+@pytest.fixture
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(8, 4)
+
+
+def test_times_add_up_and_batch_sizes_are_read(model) -> None:
+    batches = [torch.randn(16, 8) for _ in range(6)]
+    with profile_steps(warmup=0, sample_every=1000) as prof:
+        for x in prof.iter(batches):
+            busy_step(model, x, ms=3)
+    assert len(prof.steps) == 6
+    assert all(r.samples == 16 for r in prof.steps)
+    timed = [r for r in prof.steps if not r.sampled]
+    assert all(0.0029 <= r.step_s < 0.5 for r in timed)
+    assert all(r.data_s < 0.003 for r in timed)
+    s = prof.summary()
+    assert s.mean_step_s == pytest.approx(sum(r.step_s for r in timed) / len(timed))
+    assert s.samples_per_s == pytest.approx(16 / (s.mean_data_s + s.mean_step_s))
+
+
+def test_breaking_out_of_the_loop_closes_the_step(model) -> None:
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for i, _x in enumerate(prof.iter([torch.randn(2, 8)] * 5)):
+            if i == 2:
+                break
+    assert len(prof.steps) == 3 and prof.steps[-1].syncs == 0
+    # the sync-counting mode was popped: no TorchFunctionMode is left active
+    assert not has_torch_function((torch.ones(()),))
+
+
+def test_decorator_records_each_call_and_takes_the_data_wait_from_iter(model) -> None:
+    prof = profile_steps(warmup=0, sample_every=1000)
+
+    @prof
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        return busy_step(model, x, ms=2)
+
+    loader = DataLoader(SlowDataset(12, 0.002), batch_size=4)
+    with prof:
+        for x, _ in prof.iter(loader):
+            train_step(x)
+    assert len(prof.steps) == 3
+    assert all(r.data_s >= 4 * 0.002 * 0.9 for r in prof.steps)  # 4 items of 2 ms each
+    assert all(r.step_s >= 0.002 for r in prof.steps)
+    assert train_step.profiler is prof
+
+
+def test_bare_decorator_on_function_and_method(model) -> None:
+    @profile_steps
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    for _ in range(3):
+        step(torch.randn(5, 8))
+    assert len(step.profiler.steps) == 3 and step.profiler.steps[0].samples == 5
+
+    prof = profile_steps()
+
+    class Trainer:
+        @prof
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            return model(x).sum()
+
+    Trainer().step(torch.randn(3, 8))
+    assert len(prof.steps) == 1 and prof.steps[0].samples == 3
+
+
+@pytest.mark.cuda
+def test_sync_counting_on_gpu_uses_sync_debug_mode() -> None:
+    model = nn.Linear(64, 64).cuda()
+    with profile_steps(sample_every=1) as prof:
+        for x in prof.iter([torch.randn(8, 64, device="cuda") for _ in range(4)]):
+            model(x).sum().item()
+    assert prof.summary().syncs_per_step >= 1
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_bad_input() -> None:
+    prof = profile_steps()
+    with pytest.raises(TypeError, match=r"iter\(42\).*expected an iterable"):
+        prof.iter(42)
+    with pytest.raises(SpeedupsError, match="no step was recorded yet"):
+        prof.report()
+    with pytest.raises(ValueError, match=r"warmup=-1"):
+        profile_steps(warmup=-1)
+    with pytest.raises(ValueError, match=r"sample_every=0"):
+        profile_steps(sample_every=0)
+    with pytest.raises(TypeError, match="model="):
+        profile_steps(model="net")
+    with pytest.raises(TypeError, match="not a class"):
+        profile_steps()(type("Net", (), {}))
+
+
+def test_flags_are_checked() -> None:
+    with pytest.raises(TypeError, match=r"enabled='no'"):
+        profile_steps(enabled="no")
+    with pytest.raises(TypeError, match=r"debug='yes'"):
+        profile_steps(debug="yes")
+
+
+def test_enabled_false_is_a_no_op(model) -> None:
+    prof = profile_steps(enabled=False)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    assert prof(step) is step
+    data = [torch.ones(2, 8)]
+    assert list(prof.iter(data)) == data and prof.steps == []
+    with pytest.raises(SpeedupsError, match="disabled"):
+        prof.report()
+
+
+# ------------------------------------------------------------------------------------------------ plot
+def test_plot_writes_a_png_and_explains_a_missing_matplotlib(model, tmp_path, monkeypatch) -> None:
+    with profile_steps(sample_every=2) as prof:
+        for x in prof.iter([torch.randn(4, 8) for _ in range(6)]):
+            busy_step(model, x, ms=1)
+    path = prof.plot(tmp_path / "steps.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install 'speedups\[examples\]'"):
+        prof.plot(tmp_path / "again.png")
+
+
+def test_plot_leaves_the_matplotlib_backend_alone(model, tmp_path) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a user's backend that is not Agg: plot() must not switch it
+    try:
+        with profile_steps(warmup=0) as prof:
+            for x in prof.iter([torch.randn(4, 8) for _ in range(3)]):
+                busy_step(model, x, ms=1)
+        path = prof.plot(tmp_path / "steps.png")
+        assert matplotlib.get_backend() == "svg"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        matplotlib.use(before)
