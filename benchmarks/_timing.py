@@ -48,14 +48,14 @@ def ratio_table(title: str, seconds: Mapping[str, float], baseline: str, unit: s
 
 def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, ylabel: str = "ratio") -> Path:
     """Write a bar chart of ``ratios`` to a PNG (needs matplotlib: ``pip install speedups[examples]``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig = Figure(figsize=(6, 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     ax.bar(list(ratios), list(ratios.values()), color="#4c72b0")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_ylabel(ylabel)
@@ -63,5 +63,4 @@ def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, yla
     ax.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

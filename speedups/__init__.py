@@ -11,6 +11,7 @@ from speedups.distributed_loader import DistributedLoader, distributed
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.loader_tuning import LoaderReport, tune_loader
 from speedups.loaders import fast_loader
+from speedups.mistakes import check
 from speedups.precision import mixed_precision
 from speedups.process_group import (
     ddp_wrap,
@@ -21,7 +22,6 @@ from speedups.process_group import (
     rank_zero_print,
     seed_everything,
 )
-from speedups.mistakes import check
 from speedups.profiler import StepProfiler, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker

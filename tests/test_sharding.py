@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from speedups import SpeedupsError, shard_model, unshard_model
-from speedups import sharding as sharding_module
+from speedups import _sharding_plan as sharding_plan
 from tests._bench import run_quick
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,7 +269,7 @@ def cpu_replicas(request, monkeypatch):
     the state_dict keys and the unwrapping can be checked here; the device checks run under `cuda`."""
     if torch.cuda.is_available():
         pytest.skip("DataParallel is a pass-through only without CUDA; see the cuda tests")
-    monkeypatch.setattr(sharding_module, "_resolve_replicas", lambda key, value, said: (CPU,))
+    monkeypatch.setattr(sharding_plan, "_resolve_replicas", lambda key, value, said: (CPU,))
     if request.param == "torch 2.4 fallback":
         monkeypatch.delattr(nn.Module, "register_state_dict_post_hook")
         monkeypatch.delattr(nn.Module, "register_load_state_dict_pre_hook")
