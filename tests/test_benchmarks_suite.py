@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._dist import ROOT
+
+pytestmark = pytest.mark.slow  # each test starts subprocesses
 
 
 def test_suite_runner_quick_mode_runs_profiling_and_writes_results(tmp_path) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from tests._dist import WORKERS, run_torchrun, run_two_nodes
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 # The processes share one stdout, so lines of two ranks can run together: find the records, not lines.
 LINE = r"rank=\d+ local_rank=\d+ world=\d+ sum=[\d.]+"
 

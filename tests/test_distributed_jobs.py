@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from tests._bench import run_quick
 from tests._dist import ROOT, WORKERS, run_torchrun, run_two_nodes
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
 EPOCHS, N, BATCH, WORLD = 2, 48, 4, 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from speedups import _hardware
@@ -12,6 +13,7 @@ from speedups.doctor import diagnose, format_diagnosis
 from tests._dist import ROOT
 
 
+@pytest.mark.slow
 def test_doctor_runs_as_a_module() -> None:
     cmd = [sys.executable, "-m", "speedups.doctor"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)

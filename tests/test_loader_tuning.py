@@ -40,6 +40,7 @@ def test_a6_unpicklable_collate_stays_at_zero_workers_with_one_warning(method: s
     assert "cannot be pickled" in report.reason
 
 
+@pytest.mark.slow
 def test_picklable_code_under_forkserver_may_get_workers() -> None:
     loader = DataLoader(Squares(64), batch_size=8, num_workers=1, multiprocessing_context="forkserver")
     tuned, report = tune_loader(
@@ -217,6 +218,7 @@ def test_tune_loader_rejects_a_non_loader() -> None:
         tune_loader(TensorDataset(torch.zeros(3)))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("loading", timeout=240)
     assert "num_workers=0" in stdout and "tune_loader" in stdout and "batches/s" in stdout

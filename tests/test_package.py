@@ -62,6 +62,7 @@ def test_every_public_callable_has_a_docstring() -> None:
             assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
 
 
+@pytest.mark.slow
 def test_import_has_no_side_effects() -> None:
     code = (
         "import os, sys, torch\n"
@@ -115,6 +116,7 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)\n```", README, flags=re.S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_examples_run(index: int, tmp_path: Path) -> None:
     script = tmp_path / f"readme_block_{index}.py"
@@ -123,6 +125,7 @@ def test_readme_python_examples_run(index: int, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_readme_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
     """The README says to run its Tip 9 block with torchrun: do exactly that, with 2 processes."""

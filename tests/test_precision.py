@@ -381,6 +381,7 @@ def test_backward_inside_an_accumulate_step_is_an_error() -> None:
         train_step(torch.ones(2, 16))
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("precision")
     assert re.search(r"fp32\s+[\d.]+ s\s+1\.000x", stdout), stdout

@@ -462,6 +462,7 @@ def test_cuda_replicas_on_one_gpu_train_and_keep_state_dict_keys() -> None:
 
 
 # ---------------------------------------------------------------------------------- example, benchmark
+@pytest.mark.slow
 def test_example_runs_on_cpu_and_says_why() -> None:
     out = subprocess.run(
         [sys.executable, "examples/shard_encoder_decoder.py", "--steps", "30", "--cpu"],
@@ -477,6 +478,7 @@ def test_example_runs_on_cpu_and_says_why() -> None:
     assert "state_dict round trip: ok" in out.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("sharding", timeout=300)
     assert "ratio to plain" in stdout and "sharded cpu/cpu" in stdout
