@@ -10,12 +10,13 @@ unscale once, normalise, clip, step or skip.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
+
+from speedups import _validate
 
 __all__ = [
     "ScalerSink",
@@ -52,23 +53,8 @@ def check_max_grad_norm(max_grad_norm: object, said: str) -> float | None:
         TypeError: not a real number or None.
         ValueError: not a positive finite number.
     """
-    if max_grad_norm is None:
-        return None
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
-        raise TypeError(
-            f"{said}max_grad_norm={max_grad_norm!r}): expected a positive float or None, got "
-            f"{type(max_grad_norm).__name__}. Write max_grad_norm=1.0."
-        )
-    try:
-        value = float(max_grad_norm)
-    except OverflowError:
-        value = math.inf
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{said}max_grad_norm={max_grad_norm!r}): expected a positive finite norm or None. "
-            f"Write max_grad_norm=1.0."
-        )
-    return value
+    with _validate.arguments(f"{said}max_grad_norm={max_grad_norm!r})"):
+        return _validate.real(max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0")
 
 
 def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -120,19 +106,13 @@ def apply_update(
     if scaler is None:
         if skip_nonfinite and probe is not None and not math.isfinite(probe.item()):  # host-device sync
             return False, probe
-        token = owned_update.set(True)
-        try:
-            optimizer.step()
-        finally:
-            owned_update.reset(token)
+        optimizer.step()
         return True, probe
     stepped: list[bool] = []
     handle = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
-    token = owned_update.set(True)
     try:
         scaler.step(optimizer)  # GradScaler's own sync: skips the step on inf/NaN
     finally:
-        owned_update.reset(token)
         handle.remove()
     scaler.update()
     return bool(stepped), probe

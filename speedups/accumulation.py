@@ -2,35 +2,40 @@
 
 ``@accumulate(N, optimizer)`` turns a function that returns a micro-batch loss into a training step: it runs
 backward on every call and, on every N-th call (the boundary), normalises the accumulated gradients exactly,
-unscales and clips them once, steps the optimizer (then the scheduler) and zeroes the gradients. Under DDP the
-forward and backward of the other calls run inside ``no_sync()``, so there is one gradient all-reduce per
-optimizer step.
+unscales and clips them once, steps the optimizer (then the scheduler) and zeroes the gradients. How the
+gradients reach the other ranks (DDP's ``no_sync()``, FSDP2's gradient-sync switch) is a
+:mod:`speedups.grad_sync` strategy, chosen once when decorating.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import numbers
+import enum
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.distributed as dist
 import wrapt
-from torch.nn.parallel import DistributedDataParallel
 
-from speedups import _env, _step
+from speedups import _step
+from speedups._step_checks import check_arguments, check_result, check_state, guard_optimizer
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.grad_sync import SyncKind, count_dtype, grad_sync_for
 
 __all__ = ["accumulate"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_NULL = contextlib.nullcontext()
-_MEAN, _ITEMS = "mean", "items"
+
+class _Mode(enum.Enum):
+    """How the calls of a window are weighed, fixed by the first call: alike, or by their item count."""
+
+    MEAN = "mean"
+    ITEMS = "items"
+
+
+_MEAN, _ITEMS = _Mode.MEAN, _Mode.ITEMS  # module globals: read on every call, faster than _Mode.MEAN
 
 
 class _Accumulator:
@@ -49,9 +54,8 @@ class _Accumulator:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
-        self.model = model
         self.scaler: torch.amp.GradScaler | None = None
-        self.mode: str | None = None  # _MEAN or _ITEMS, fixed by the first call
+        self.mode: _Mode | None = None  # fixed by the first call
         self.step = 0  # micro-steps so far
         self.num_updates = 0  # optimizer steps really taken
         self.pending = 0  # calls in the open window
@@ -59,25 +63,17 @@ class _Accumulator:
         self.last_step_skipped = False
         self.probe: torch.Tensor | None = None  # checked for finiteness at the last update
         self.losses: list[torch.Tensor] = []  # the open window's detached losses (single process)
-        self.ref_n: Any = 1.0  # single process: the first item count of the window (>= 1)
+        self.ref_n: Any = 1.0  # the weight reference of the window's item counts (see GradSync.reference)
         self.total_host = 0.0  # items of the open window given as Python numbers
         self.total_device: torch.Tensor | None = None  # ... and as tensors
         self.inv_every = 1.0 / every
-        # Data parallelism, decided once. `averaged` is what the gradient sync divides by (DDP and FSDP2
-        # average over the world size), `group` the process group for the item count.
-        self.kind = "single"
-        self.group: Any = None
-        self.world = 1
-        if isinstance(model, DistributedDataParallel):
-            self.kind, self.group = "ddp", model.process_group
-            self.world = dist.get_world_size(self.group)
-        elif model is not None and callable(getattr(model, "set_requires_gradient_sync", None)):
-            self.kind = "fsdp2"
-            self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.sync_off = False  # FSDP2: gradient sync currently turned off
-        self.single = self.kind == "single"
+        self.sync = grad_sync_for(model)  # data parallelism, decided once
         self.skip_nonfinite = skip_nonfinite
-        self.check_losses = skip_nonfinite and self.single
+        # One process: the summed loss tells whether to skip (cheaper than a gradient norm). Data parallel:
+        # the gradient norm, identical on every rank after the sync, so every rank decides alike.
+        self.check_losses = skip_nonfinite and self.sync.kind is SyncKind.SINGLE
+        self.updating = False  # True while this step runs its own optimizer update
+        self.warned_hand_step = False
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
@@ -98,14 +94,8 @@ class _Accumulator:
         """The wrapt wrapper: one micro-step."""
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
-        if self.kind == "fsdp2" and self.sync_off == boundary:
-            self.model.set_requires_gradient_sync(boundary)  # type: ignore[union-attr,operator]
-            self.sync_off = not boundary
-        ctx = self.model.no_sync() if self.kind == "ddp" and not boundary else _NULL  # type: ignore[union-attr,operator]
+        ctx = self.sync.micro_step(boundary)
         token = _step.current_step.set(self)
-        checker = _step.active_checker.get()
-        if checker is not None:  # only inside speedups.check(): tell it which optimizer we step
-            checker.watch_accumulated(self.optimizer, self)
         try:
             with ctx:
                 out = wrapped(*args, **kwargs)
@@ -117,21 +107,15 @@ class _Accumulator:
                 if n is None:
                     target = loss if self.every == 1 else loss * self.inv_every
                 else:
-                    if self.single:
-                        # Relative to the window's first count, so that the backward's magnitude (and an fp16
-                        # GradScaler's headroom) does not grow with the count; undone exactly at the boundary.
-                        # Under DDP every rank must weigh alike, so the weight there is the count itself.
-                        if self.pending == 0:
-                            self.ref_n = _reference_count(n)
-                        target = loss * (n / self.ref_n)
-                    else:
-                        target = loss * n
+                    if self.pending == 0:
+                        self.ref_n = self.sync.reference(n)
+                    target = self.sync.weigh(loss, n, self.ref_n)
                     self._add_items(n)
-                    if boundary and self.world > 1:
+                    if boundary and self.sync.world > 1:
                         # The global item count, all-reduced while backward runs: the step's one extra
                         # collective, launched before DDP's bucket all-reduces on every rank (same order).
                         count = self._local_count(loss.device)
-                        work = dist.all_reduce(count, group=self.group, async_op=True)
+                        work = self.sync.reduce_count(count)
                         self.total_device, self.total_host = count, 0.0
                 if self.scaler is not None:
                     target = self.scaler.scale(target)
@@ -157,43 +141,7 @@ class _Accumulator:
             and not out.is_complex()
         ):
             return out, None
-        n = None
-        loss = out
-        if isinstance(out, tuple) and len(out) == 2:
-            loss, n = out
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"accumulate: the step returned {type(out).__name__} {_short(out)}: expected a scalar loss "
-                f"tensor, or a (loss, num_items) tuple. Return e.g. F.cross_entropy(model(x), y)."
-            )
-        if loss.numel() != 1 or not loss.is_floating_point():
-            raise ValueError(
-                f"accumulate: the step returned a loss of shape {tuple(loss.shape)} and dtype {loss.dtype}: "
-                f"expected a floating-point scalar. Reduce it first, e.g. return loss.mean()."
-            )
-        if loss.grad_fn is None:
-            raise ValueError(
-                "accumulate: the step returned a loss without grad_fn (computed under torch.no_grad(), "
-                "or detached): backward cannot reach the parameters. Return the loss of the forward pass, "
-                "not loss.detach() or loss.item()."
-            )
-        if n is not None:
-            if isinstance(n, torch.Tensor):
-                if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
-                    raise ValueError(
-                        f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
-                        f"{n.dtype}: expected a one-element real tensor or a number (items in the batch)."
-                    )
-            elif isinstance(n, bool) or not isinstance(n, numbers.Real):
-                raise TypeError(
-                    f"accumulate: the step returned num_items={n!r}: expected an int, a float or a "
-                    f"one-element tensor. Return (loss, len(y)) or (loss, mask.sum())."
-                )
-            elif not (math.isfinite(float(n)) and float(n) >= 0):
-                raise ValueError(
-                    f"accumulate: the step returned num_items={n!r}: expected a finite count >= 0. "
-                    f"Return (loss, len(y))."
-                )
+        loss, n = check_result(out)
         mode = _MEAN if n is None else _ITEMS
         if self.mode is None:
             self.mode = mode
@@ -207,20 +155,20 @@ class _Accumulator:
 
     def _add_items(self, n: Any) -> None:
         if isinstance(n, torch.Tensor):
-            n = n.detach().reshape(()).to(_count_dtype(n.device))
+            n = n.detach().reshape(()).to(count_dtype(n.device))
             self.total_device = n if self.total_device is None else self.total_device + n
         else:
             self.total_host += float(n)
 
     def _local_count(self, device: torch.device) -> torch.Tensor:
         if self.total_device is None:
-            return torch.full((), self.total_host, dtype=_count_dtype(device), device=device)
+            return torch.full((), self.total_host, dtype=count_dtype(device), device=device)
         return self.total_device + self.total_host
 
     # ---------------------------------------------------------------------------------------- update
-    def _factor(self, synced_by_wrapper: bool) -> float | torch.Tensor:
+    def _factor(self, synced: bool) -> float | torch.Tensor:
         """What the synchronised gradients must be multiplied by to be the window's exact mean."""
-        averaged = self.world if synced_by_wrapper else 1  # DDP/FSDP2 divide by the world size
+        averaged = self.sync.world if synced else 1  # DDP/FSDP2 divide by the world size when they sync
         if self.mode == _ITEMS:
             # A window of zero items (all padding) has nothing to learn from: its gradients are zeroed, never
             # divided by zero (an exact 0 count on the host also skips the optimizer step, see _update).
@@ -228,11 +176,10 @@ class _Accumulator:
                 return averaged * self.ref_n / self.total_host if self.total_host else 0.0
             total = self.total_device + self.total_host
             return torch.where(total > 0, averaged * self.ref_n / total, torch.zeros_like(total)).float()
-        return averaged * self.every / (self.world * self.pending)
+        return averaged * self.every / (self.sync.world * self.pending)
 
     def _update(self, synced: bool) -> None:
-        grads_synced_by_wrapper = synced and self.kind != "single"
-        factor = self._factor(grads_synced_by_wrapper)
+        factor = self._factor(synced)
         if self.mode == _ITEMS and self.total_device is None and not self.total_host:
             warnings.warn(
                 f"accumulate: the window ending at micro-step {self.step} holds 0 items (every num_items was "
@@ -244,16 +191,18 @@ class _Accumulator:
             self._reset_window()
             self.last_step_skipped = True
             return
-        # Single process: the summed loss tells whether to skip (cheaper than a gradient norm). Data
-        # parallel: the gradient norm, identical on every rank after the sync, so every rank decides alike.
-        stepped, self.probe = _step.apply_update(
-            self.optimizer,
-            self.scaler,
-            self.max_grad_norm,
-            factor,
-            skip_nonfinite=self.skip_nonfinite,
-            probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
-        )
+        self.updating = True  # the optimizer step below is this step's own: its guard lets it pass
+        try:
+            stepped, self.probe = _step.apply_update(
+                self.optimizer,
+                self.scaler,
+                self.max_grad_norm,
+                factor,
+                skip_nonfinite=self.skip_nonfinite,
+                probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
+            )
+        finally:
+            self.updating = False
         self.last_step_skipped = not stepped
         if stepped:
             self.num_updates += 1
@@ -280,53 +229,22 @@ class _Accumulator:
     def flush(self) -> None:
         if not self.pending:
             return
-        if self.kind == "fsdp2":
-            raise SpeedupsError(
-                f"accumulate(...).flush(): {self.pending} micro-steps are pending on an FSDP2 model whose "
-                f"gradient sync was off; FSDP2 has no public way to reduce them afterwards. Make the epoch a "
-                f"multiple of {self.every} micro-batches, e.g. DataLoader(..., drop_last=True)."
-            )
-        if self.kind == "ddp":
-            self._all_reduce_pending()
-        self._update(synced=False)
-
-    def _all_reduce_pending(self) -> None:
-        """Sum the gradients (and the item count) of a window whose calls all ran inside no_sync."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every rank must send the same layout
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for p in group:
-                size = p.numel()
-                grad = p.grad
-                assert grad is not None
-                grad.copy_(flat[offset : offset + size].view_as(grad))
-                offset += size
-        if self.mode == _ITEMS:
-            device = params[0].device if params else torch.device("cpu")
-            count = self._local_count(device)
-            dist.all_reduce(count, group=self.group)
+        local_count = self._local_count if self.mode is _ITEMS else None
+        count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
+        if count is not None:
             self.total_device, self.total_host = count, 0.0
+        self._update(synced=False)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        grads = [
-            None if p.grad is None else p.grad.detach().clone()
-            for g in self.optimizer.param_groups
-            for p in g["params"]
-        ]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         return {
             "every": self.every,
             "step": self.step,
             "num_updates": self.num_updates,
             "pending": self.pending,
-            "mode": self.mode,
+            "mode": None if self.mode is None else self.mode.value,
             "total_host": self.total_host,
             "total_device": None if self.total_device is None else self.total_device.clone(),
             "grads": grads if self.pending else None,
@@ -336,51 +254,9 @@ class _Accumulator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        call = "accumulate(...).load_state_dict(state)"
-        keys = {"every", "step", "num_updates", "pending", "mode", "total_host", "total_device", "grads"}
-        if not isinstance(state, dict) or not keys <= set(state):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"{call}: expected the dict of train_step.state_dict(), "
-                f"with keys {sorted(keys | {'scaler', 'losses'})}, got {got}."
-            )
-        if state["every"] != self.every:
-            raise ValueError(
-                f"{call}: the checkpoint accumulated over "
-                f"{state['every']!r} micro-steps, this step over {self.every}. Decorate with "
-                f"accumulate({state['every']}, ...) to resume it."
-            )
-        # Everything is checked before anything changes: a bad checkpoint leaves the step and the gradients.
-        for key in ("step", "num_updates", "pending"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{call}: state[{key!r}]={value!r}, expected an int >= 0.")
-        if state["pending"] >= self.every:
-            raise ValueError(f"{call}: state['pending']={state['pending']!r}, expected < every={self.every}.")
-        if state["mode"] not in (None, _MEAN, _ITEMS):
-            raise ValueError(
-                f"{call}: state['mode']={state['mode']!r}, expected None, {_MEAN!r} or {_ITEMS!r}."
-            )
-        if isinstance(state["total_host"], bool) or not isinstance(state["total_host"], (int, float)):
-            raise ValueError(f"{call}: state['total_host']={state['total_host']!r}, expected a number.")
-        if state["total_device"] is not None and not isinstance(state["total_device"], torch.Tensor):
-            raise ValueError(f"{call}: state['total_device'] must be None or a tensor.")
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        check_state(state, self.every, params, tuple(mode.value for mode in _Mode))  # before any change
         grads = state["grads"]
-        if grads is not None:
-            if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
-                got_n = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
-                raise ValueError(
-                    f"{call}: the checkpoint holds gradients for {got_n} parameters, the optimizer has "
-                    f"{len(params)}. Resume with the same model and optimizer."
-                )
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
-                    shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-                    raise ValueError(
-                        f"{call}: the gradient of parameter {i} has shape {shape}, the parameter "
-                        f"{tuple(p.shape)}. Resume with the same model and optimizer."
-                    )
         if state.get("scaler") is not None and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         if grads is not None:
@@ -389,29 +265,17 @@ class _Accumulator:
         self.step = state["step"]
         self.num_updates = state["num_updates"]
         self.pending = state["pending"]
-        self.mode = {_MEAN: _MEAN, _ITEMS: _ITEMS}.get(state["mode"])  # the module's own string objects
+        self.mode = None if state["mode"] is None else _Mode(state["mode"])
         self.total_host = float(state["total_host"])
         self.total_device = state["total_device"]
         self.losses = list(state.get("losses", []))
         self.ref_n = state.get("ref_n", 1.0)
-        self.sync_off = False
-        if self.kind == "fsdp2":
-            self.model.set_requires_gradient_sync(True)  # type: ignore[union-attr,operator]
+        self.sync.restart()
 
 
-def _reference_count(n: Any) -> Any:
-    if isinstance(n, torch.Tensor):
-        return n.detach().reshape(()).to(_count_dtype(n.device)).clamp_min(1.0)
-    return max(float(n), 1.0)
-
-
-def _count_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def _short(value: object) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 60 else text[:57] + "..."
+def _shown(name: str, doc: str) -> Any:
+    """A read-only property showing the accumulator's attribute ``name``."""
+    return property(lambda self: getattr(self._acc(), name), doc=doc)
 
 
 class _StepAttributes:
@@ -420,50 +284,23 @@ class _StepAttributes:
     def _acc(self) -> _Accumulator:
         raise NotImplementedError
 
-    @property
-    def step(self) -> int:
-        """Micro-steps (calls) so far."""
-        return self._acc().step
-
-    @property
-    def is_boundary(self) -> bool:
-        """Whether the current call (inside the step) or the last call (after it) ends a window."""
-        return self._acc().is_boundary
-
-    @property
-    def num_updates(self) -> int:
-        """Optimizer steps really taken (skipped non-finite steps not counted)."""
-        return self._acc().num_updates
-
-    @property
-    def pending(self) -> int:
-        """Calls accumulated in the open window, not yet applied."""
-        return self._acc().pending
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The GradScaler adopted from ``mixed_precision("fp16")``, or None."""
-        return self._acc().scaler
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped for inf/NaN gradients (a Python bool, no new sync)."""
-        return self._acc().last_step_skipped
+    step = _shown("step", "Micro-steps (calls) so far.")
+    is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
+    num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
+    pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
+    scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
+    last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
 
     @property
     def found_inf(self) -> torch.Tensor | None:
-        """Whether the last update saw NaN/inf (loss or gradients): a 0-dim bool device tensor (no sync).
-
-        None before the first update.
-        """
+        """Whether the last update saw NaN/inf: a 0-dim bool device tensor (no sync); None before one."""
         probe = self._acc().probe
         return None if probe is None else ~torch.isfinite(probe)
 
     def flush(self) -> None:
         """Apply the pending short window now, normalised by what it accumulated; no-op if none is pending.
 
-        Call it at the end of every epoch (or iterate with :meth:`epoch`, which does). Under DDP every rank
-        must call it: a pending window's gradients are all-reduced explicitly (one collective per dtype).
+        Under DDP every rank must call it: the window's gradients are all-reduced (one collective per dtype).
         """
         self._acc().flush()
 
@@ -471,8 +308,7 @@ class _StepAttributes:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted: windows never straddle epochs.
 
         Raises:
-            SpeedupsError: a window from an earlier epoch is still pending (a loop broke out early without
-                ``flush()``).
+            SpeedupsError: a window of an earlier epoch is still pending (a loop broke out without flush()).
         """
         acc = self._acc()
         if acc.pending:
@@ -484,10 +320,9 @@ class _StepAttributes:
         acc.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the step's state, with a copy of the pending gradients (and the adopted scaler's state).
+        """Return the step's state with a copy of the pending gradients (one gradient's memory) and scaler.
 
-        Save it with the model and optimizer: restoring all three mid-window gives the same weights as not
-        stopping. Gradients are cloned: this costs one gradient's memory while the dict is alive.
+        Saved with the model and optimizer, it resumes mid-window with the same weights as not stopping.
         """
         return self._acc().state_dict()
 
@@ -495,7 +330,7 @@ class _StepAttributes:
         """Restore what :meth:`state_dict` returned (the pending gradients too).
 
         Raises:
-            ValueError: ``state`` is not such a dict, or was made with another window size or model.
+            ValueError: not such a dict, or made with another window size or model (nothing changed).
         """
         self._acc().load_state_dict(state)
 
@@ -528,78 +363,34 @@ def accumulate(
 ) -> Callable[[F], F]:
     """Turn a function that returns a micro-batch loss into a gradient-accumulation training step.
 
-    The decorated function computes the loss of one micro-batch; the step runs backward on every call, and
-    every ``every``-th call (the boundary) it applies the optimizer step: the accumulated gradients are
-    normalised to the exact mean of the window, unscaled once (when a ``mixed_precision("fp16")`` context ran
-    inside the step), clipped to ``max_grad_norm``, then ``optimizer.step()``, ``scheduler.step()`` and
-    ``optimizer.zero_grad(set_to_none=True)``. The update equals one step on the concatenated window (the big
-    batch) up to float rounding. It saves memory (a batch of ``every`` micro-batches in the memory of one); it
-    does not make a step faster, and with batch norm the statistics are still per micro-batch.
+    Every call runs backward; every ``every``-th call (the boundary) normalises the gradients to the exact
+    mean of the window, unscales (fp16 ``mixed_precision``) and clips them once, then runs
+    ``optimizer.step()``, ``scheduler.step()`` and ``zero_grad()``: the big batch's step in one micro-batch's
+    memory (not faster; batch norm still sees micro-batches). ``(loss, num_items)`` weighs calls by items
+    ("Fixing Gradient Accumulation", Hugging Face, 2024). A DDP ``model=`` runs non-boundary calls in
+    ``no_sync()``; an FSDP2 one turns gradient sync off between boundaries. ``train_step.flush()`` (or
+    ``train_step.epoch(loader)``) applies a short last window. Stepping the optimizer by hand while a window
+    is open warns once.
 
-    **Normalisation.** A bare loss weighs every call the same: the update is the mean over the calls actually
-    accumulated (backward runs on ``loss / every``; a short window of ``k`` calls is rescaled by
-    ``every / k`` when flushed). A ``(loss, num_items)`` return weighs by items (samples, non-padding
-    tokens): backward runs on ``loss * num_items`` and the gradients are divided by the window's total count
-    at the boundary, so micro-batches of 8, 8, 8 and 5 samples give the gradient of the mean over 29 samples.
-    ``num_items`` may be a number or a one-element device tensor; nothing is read ahead from the loader.
-
-    **Data parallelism.** With ``model=`` a ``DistributedDataParallel``, the forward and backward of every
-    non-boundary call run inside ``model.no_sync()``: one gradient all-reduce per optimizer step. DDP averages
-    over the world size; the step accounts for it, and with ``num_items`` divides by the global item count
-    (one small all-reduce of the count per optimizer step, overlapped with the boundary's backward). With an
-    FSDP2 module (one with ``set_requires_gradient_sync``), gradient sync is turned off between boundaries.
-    Without ``model=``, a DDP model syncs on every call (correct for bare losses, but slower) and
-    ``num_items`` is normalised per rank.
-
-    **Epochs.** A short final window is applied by ``train_step.flush()``; ``for batch in
-    train_step.epoch(loader):`` flushes by itself at the end of the loader, and raises if a window of an
-    earlier epoch is still pending, so a window never silently straddles two epochs.
-
-    **Non-finite losses.** By default nothing is checked, so the boundary needs no host-device sync: a NaN
-    reaches the parameters as in a plain loop (``LossTracker`` counts and reports non-finite losses). With
-    ``skip_nonfinite=True`` a window with a NaN/inf loss is skipped instead: no optimizer step, no scheduler
-    step, its gradients dropped, one :class:`~speedups.SpeedupsWarning`, for one sync per optimizer step.
-    Single process: the window's losses are
-    checked. With clipping, or under DDP/FSDP2 (where every rank must decide alike), the gradient norm after
-    the sync is checked, which also catches overflowing gradients. With an fp16 GradScaler, the scaler skips
-    the step instead and lowers its scale, without a warning (that is how loss scaling calibrates);
-    ``train_step.last_step_skipped`` says so.
-
-    Sync points: none by default. With ``skip_nonfinite=True`` or an fp16 GradScaler, one host-device sync
-    per optimizer step decides whether to skip it (the check above, or ``GradScaler.step``'s own).
-
-    Visible state: ``train_step.step`` (calls so far), ``.is_boundary``, ``.num_updates``, ``.pending``,
-    ``.scaler``, ``.last_step_skipped``, ``.found_inf``; ``.flush()``, ``.epoch(loader)``,
-    ``.state_dict()``, ``.load_state_dict()``. Decorating a method works; the state belongs to the decorated
-    function and is shared by all instances. A step is one training loop's: it is not thread-safe. The
-    wrapped function (a ``wrapt.FunctionWrapper``) cannot be pickled.
-
-    The technique is standard; the exact per-item normalisation follows the analysis in "Fixing Gradient
-    Accumulation" (Hugging Face blog, 2024) of the bug where dividing by ``N`` mis-weights unequal windows.
+    Sync points: none by default; one per optimizer step with ``skip_nonfinite=True`` or an fp16 GradScaler.
+    State: ``.step``, ``.is_boundary``, ``.num_updates``, ``.pending``, ``.scaler``, ``.last_step_skipped``,
+    ``.found_inf``. Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
 
     Args:
         every: micro-steps per optimizer step (N >= 1).
         optimizer: the ``torch.optim.Optimizer`` holding the parameters.
-        scheduler: stepped once after each optimizer step that really happened (anything with ``.step()``).
-        max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this, once per
-            optimizer step; None for no clipping.
+        scheduler: stepped after each optimizer step that really happened (anything with ``.step()``).
+        max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
         model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module.
-        skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; costs one
-            host-device sync per optimizer step. False (default): no check, no sync, as a plain loop.
-        enabled: False behaves as a plain step on every call (``every`` taken as 1: backward, clip, optimizer
-            step, scheduler step, zero grad), for A/B comparisons without changing the loop.
+        skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
+        enabled: False steps on every call (``every`` taken as 1), for A/B comparisons.
 
     Returns:
-        A decorator. The decorated step returns the detached loss (a 0-dim tensor on the loss's device), or
-        ``(loss.detach(), num_items)`` when the function returned ``(loss, num_items)``: exactly what
-        ``LossTracker.update(loss, n)`` takes.
+        A decorator. The step returns the detached 0-dim loss, or ``(loss.detach(), num_items)``.
 
     Raises:
-        TypeError: ``every`` is not an int, ``optimizer`` not an Optimizer, ``model`` not a Module,
-            ``scheduler`` without ``step()``, ``max_grad_norm`` not a number; at call time, a step that
-            returns no tensor.
-        ValueError: ``every < 1``, ``max_grad_norm <= 0``; at call time, a non-scalar loss or one without
-            ``grad_fn``, a bad ``num_items`` (raised before any gradient is touched).
+        TypeError, ValueError: a bad argument; at call time (before any gradient is touched), a result that
+            is not a scalar loss with a ``grad_fn``, or a bad ``num_items``.
         SpeedupsError: a call switches between a bare loss and ``(loss, num_items)``.
 
     Example:
@@ -612,48 +403,12 @@ def accumulate(
         ...     loss = train_step(torch.ones(4, 3), torch.zeros(4, 1))
         >>> train_step.step, train_step.num_updates, train_step.pending
         (5, 2, 1)
-        >>> train_step.flush()
-        >>> train_step.num_updates, train_step.pending
+        >>> train_step.flush(); train_step.num_updates, train_step.pending
         (3, 0)
     """
-    said = f"accumulate({every!r}, optimizer, "
-    if isinstance(every, bool) or not isinstance(every, int):
-        raise TypeError(
-            f"accumulate(every={every!r}): expected a positive int (micro-steps per optimizer step), got "
-            f"{type(every).__name__}. Write e.g. accumulate(4, optimizer)."
-        )
-    if every < 1:
-        raise ValueError(
-            f"accumulate(every={every!r}): must be at least 1 (1 steps on every call). "
-            f"Write e.g. accumulate(4, optimizer)."
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"accumulate({every!r}, optimizer={_short(optimizer)}): expected a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}. Write accumulate({every}, torch.optim.SGD(model.parameters(), lr))."
-        )
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise TypeError(
-            f"{said}scheduler={_short(scheduler)}): expected an LR scheduler with a step() method or "
-            f"None, got {type(scheduler).__name__}."
-        )
-    max_grad_norm = _step.check_max_grad_norm(max_grad_norm, said)
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"{said}model={_short(model)}): expected a torch.nn.Module (the DDP or FSDP2 model) or None, "
-            f"got {type(model).__name__}."
-        )
-    for name, flag in (("skip_nonfinite", skip_nonfinite), ("enabled", enabled)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{said}{name}={flag!r}): expected True or False.")
-    if model is None and _env.is_distributed() and _env.rank() == 0:
-        warnings.warn(
-            f"accumulate({every}, optimizer): this is a multi-process job but no model= was given, so the "
-            f"step cannot use DDP's no_sync() between boundaries (every micro-step all-reduces) and "
-            f"normalises num_items per rank. Pass it: accumulate({every}, optimizer, model=model).",
-            SpeedupsWarning,
-            stacklevel=2,
-        )
+    every, max_grad_norm = check_arguments(
+        every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
+    )
 
     def decorator(fn: F) -> F:
         if isinstance(fn, type) or not callable(fn):
@@ -665,6 +420,8 @@ def accumulate(
         acc = _Accumulator(
             every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite
         )
+        if enabled:  # a plain step on every call (enabled=False) owns no window to guard
+            guard_optimizer(acc)
         return _Step(fn, acc)  # type: ignore[return-value]
 
     return decorator

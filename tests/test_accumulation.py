@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import itertools
 import re
+import warnings
 
 import pytest
 import torch
@@ -354,11 +357,11 @@ def test_nonfinite_loss_skips_the_window_and_the_scheduler_with_a_warning() -> N
 @pytest.mark.parametrize(
     ("every", "error", "pattern"),
     [
-        (0, ValueError, r"accumulate\(every=0\): must be at least 1"),
-        (-1, ValueError, r"accumulate\(every=-1\): must be at least 1"),
-        (2.5, TypeError, r"accumulate\(every=2\.5\): expected a positive int"),
-        ("4", TypeError, r"accumulate\(every='4'\): expected a positive int"),
-        (True, TypeError, r"accumulate\(every=True\)"),
+        (0, ValueError, r"accumulate\(0, optimizer, \.\.\.\): every=0: must be an int >= 1"),
+        (-1, ValueError, r"accumulate\(-1, optimizer, \.\.\.\): every=-1: must be an int >= 1"),
+        (2.5, TypeError, r"accumulate\(2\.5, optimizer, \.\.\.\): every=2\.5: expected an int >= 1"),
+        ("4", TypeError, r"accumulate\('4', optimizer, \.\.\.\): every='4': expected an int >= 1"),
+        (True, TypeError, r"accumulate\(True, optimizer, \.\.\.\): every=True: expected an int >= 1"),
     ],
 )
 def test_bad_every_is_rejected_at_decoration(every: object, error: type, pattern: str) -> None:
@@ -511,3 +514,66 @@ def test_a_one_element_loss_comes_back_0_dim() -> None:
     model, opt, _ = _pair()
     train_step = accumulate(2, opt)(lambda: model(torch.ones(4, 3)).pow(2).mean().reshape(1, 1))
     assert train_step().shape == ()
+
+
+# --------------------------------------------------------------------------------- the optimizer's guard
+def _hand_stepping_loop(train_step, opt: torch.optim.Optimizer) -> None:
+    for _ in range(8):
+        train_step(torch.ones(4, 3))
+        opt.step()  # the mistake: @accumulate already steps on every 4th call
+
+
+@pytest.mark.parametrize("inside_check", [False, True])
+def test_stepping_the_optimizer_by_hand_mid_window_warns_once(inside_check: bool) -> None:
+    from speedups import check
+
+    model, opt, _ = _pair()
+    train_step = accumulate(4, opt)(lambda x: model(x).pow(2).mean())
+    pattern = r"optimizer\.step\(\) was called by hand .*after micro-step 1, 1 of 4 of the window"
+    with contextlib.ExitStack() as stack:
+        if inside_check:
+            stack.enter_context(check())
+        record = stack.enter_context(pytest.warns(SpeedupsWarning, match=pattern))
+        _hand_stepping_loop(train_step, opt)
+    hand = [w for w in record if "by hand" in str(w.message)]
+    assert len(hand) == 1 and hand[0].filename == __file__  # once, pointing at the loop's optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpeedupsWarning)
+        train_step(torch.ones(4, 3))
+        opt.step()  # a second hand step: already said
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_steps_own_updates_and_flush_never_warn(dtype: str) -> None:
+    from speedups.precision import mixed_precision
+
+    model, opt, _ = _pair()
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    fn = loss if dtype == "fp32" else mixed_precision("fp16", device_type="cpu", init_scale=2.0**10)(loss)
+    train_step = accumulate(2, opt, max_grad_norm=1.0)(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpeedupsWarning)
+        for x in train_step.epoch([torch.ones(4, 3)] * 5):
+            train_step(x)
+        opt.step()  # after the flush no window is open: nothing to break
+    assert train_step.pending == 0 and (train_step.scaler is None) == (dtype == "fp32")
+    assert train_step.num_updates == 3  # two full windows and the flushed one, all stepped
+
+
+def test_the_guard_goes_with_the_step_and_enabled_false_sets_none() -> None:
+    model, opt, _ = _pair()
+    assert not opt._optimizer_step_pre_hooks  # read here only, to see that nothing of ours is left
+    accumulate(4, opt, enabled=False)(lambda x: model(x).pow(2).mean())
+    assert not opt._optimizer_step_pre_hooks  # a plain step on every call: nothing to guard
+    train_step = accumulate(4, opt)(lambda x: model(x).pow(2).mean())
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    train_step(torch.ones(4, 3))
+    del train_step
+    gc.collect()
+    assert not opt._optimizer_step_pre_hooks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpeedupsWarning)
+        opt.step()

@@ -1,0 +1,220 @@
+"""Every check ``@accumulate`` makes on what it is handed, each before anything changes.
+
+The arguments, once at decoration (through :mod:`speedups._validate`); the result of the user's function (a
+scalar loss with a ``grad_fn``, maybe with an item count) on every call that leaves the fast path, before any
+gradient is touched; a checkpoint state, entirely, before anything is restored; and the step's optimizer,
+guarded by a hook: stepping it by hand while a window is open warns once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import warnings
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+from speedups import _env, _validate
+from speedups.errors import SpeedupsWarning
+
+__all__ = ["GuardedStep", "check_arguments", "check_result", "check_state", "guard_optimizer", "short"]
+
+
+def short(value: object) -> str:
+    """``repr(value)`` on one line, cut to 60 characters: how error messages quote a user's object."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_arguments(
+    every: Any,
+    optimizer: Any,
+    scheduler: Any,
+    max_grad_norm: Any,
+    model: Any,
+    skip_nonfinite: Any,
+    enabled: Any,
+    *,
+    stacklevel: int,
+) -> tuple[int, float | None]:
+    """Check the arguments of ``accumulate(...)``; return ``every`` and ``max_grad_norm`` (a float or None).
+
+    Warns (rank 0, at ``stacklevel`` above this call) when a multi-process job gives no ``model=``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``every < 1``, or ``max_grad_norm`` not a positive finite number.
+    """
+    with _validate.arguments(f"accumulate({short(every)}, optimizer, ...)"):
+        every = _validate.integer(every, "every", minimum=1, example="4")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            got = type(optimizer).__name__
+            raise TypeError(
+                f"optimizer={short(optimizer)}: expected a torch.optim.Optimizer, got {got}. "
+                f"Write accumulate({every}, torch.optim.SGD(model.parameters(), lr))."
+            )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"scheduler={short(scheduler)}: expected an LR scheduler with a step() method or None, got "
+                f"{type(scheduler).__name__}."
+            )
+        max_grad_norm = _validate.real(
+            max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0"
+        )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model={short(model)}: expected a torch.nn.Module (the DDP or FSDP2 model) or None, got "
+                f"{type(model).__name__}."
+            )
+        _validate.flag(skip_nonfinite, "skip_nonfinite")
+        _validate.flag(enabled, "enabled")
+    if model is None and _env.is_distributed() and _env.rank() == 0:
+        warnings.warn(
+            f"accumulate({every}, optimizer): this is a multi-process job but no model= was given, so the "
+            f"step cannot use DDP's no_sync() between boundaries (every micro-step all-reduces) and "
+            f"normalises num_items per rank. Pass it: accumulate({every}, optimizer, model=model).",
+            SpeedupsWarning,
+            stacklevel=stacklevel,
+        )
+    return every, max_grad_norm
+
+
+def check_result(out: Any) -> tuple[torch.Tensor, Any]:
+    """Split what the step function returned into ``(loss, num_items)`` (``num_items`` None for a bare loss).
+
+    Raises:
+        TypeError: no loss tensor, or a ``num_items`` that is neither a number nor a tensor.
+        ValueError: a loss that is not a floating-point scalar with a ``grad_fn``; a ``num_items`` that is not
+            one finite real >= 0.
+    """
+    n = None
+    loss = out
+    if isinstance(out, tuple) and len(out) == 2:
+        loss, n = out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"accumulate: the step returned {type(out).__name__} {short(out)}: expected a scalar loss "
+            f"tensor, or a (loss, num_items) tuple. Return e.g. F.cross_entropy(model(x), y)."
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(
+            f"accumulate: the step returned a loss of shape {tuple(loss.shape)} and dtype {loss.dtype}: "
+            f"expected a floating-point scalar. Reduce it first, e.g. return loss.mean()."
+        )
+    if loss.grad_fn is None:
+        raise ValueError(
+            "accumulate: the step returned a loss without grad_fn (computed under torch.no_grad(), "
+            "or detached): backward cannot reach the parameters. Return the loss of the forward pass, "
+            "not loss.detach() or loss.item()."
+        )
+    if n is not None:
+        if isinstance(n, torch.Tensor):
+            if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
+                raise ValueError(
+                    f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
+                    f"{n.dtype}: expected a one-element real tensor or a number (items in the batch)."
+                )
+        elif isinstance(n, bool) or not isinstance(n, numbers.Real):
+            raise TypeError(
+                f"accumulate: the step returned num_items={n!r}: expected an int, a float or a "
+                f"one-element tensor. Return (loss, len(y)) or (loss, mask.sum())."
+            )
+        elif not (math.isfinite(float(n)) and float(n) >= 0):
+            raise ValueError(
+                f"accumulate: the step returned num_items={n!r}: expected a finite count >= 0. "
+                f"Return (loss, len(y))."
+            )
+    return loss, n
+
+
+def check_state(state: Any, every: int, params: list[torch.nn.Parameter], modes: tuple[str, ...]) -> None:
+    """Check a ``train_step.state_dict()`` for a step over ``every`` micro-steps of these ``params``.
+
+    ``modes`` are the weighing modes a state may name (besides None).
+
+    Raises:
+        ValueError: ``state`` is not such a dict, or was made with another window size or model.
+    """
+    call = "accumulate(...).load_state_dict(state)"
+    keys = {"every", "step", "num_updates", "pending", "mode", "total_host", "total_device", "grads"}
+    if not isinstance(state, dict) or not keys <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{call}: expected the dict of train_step.state_dict(), "
+            f"with keys {sorted(keys | {'scaler', 'losses'})}, got {got}."
+        )
+    if state["every"] != every:
+        raise ValueError(
+            f"{call}: the checkpoint accumulated over "
+            f"{state['every']!r} micro-steps, this step over {every}. Decorate with "
+            f"accumulate({state['every']}, ...) to resume it."
+        )
+    for key in ("step", "num_updates", "pending"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{call}: state[{key!r}]={value!r}, expected an int >= 0.")
+    if state["pending"] >= every:
+        raise ValueError(f"{call}: state['pending']={state['pending']!r}, expected < every={every}.")
+    if state["mode"] is not None and state["mode"] not in modes:
+        raise ValueError(
+            f"{call}: state['mode']={state['mode']!r}, expected None, {' or '.join(map(repr, modes))}."
+        )
+    if isinstance(state["total_host"], bool) or not isinstance(state["total_host"], (int, float)):
+        raise ValueError(f"{call}: state['total_host']={state['total_host']!r}, expected a number.")
+    if state["total_device"] is not None and not isinstance(state["total_device"], torch.Tensor):
+        raise ValueError(f"{call}: state['total_device'] must be None or a tensor.")
+    grads = state["grads"]
+    if grads is not None:
+        if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
+            got_n = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
+            raise ValueError(
+                f"{call}: the checkpoint holds gradients for {got_n} parameters, the optimizer has "
+                f"{len(params)}. Resume with the same model and optimizer."
+            )
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
+                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(
+                    f"{call}: the gradient of parameter {i} has shape {shape}, the parameter "
+                    f"{tuple(p.shape)}. Resume with the same model and optimizer."
+                )
+
+
+class GuardedStep(Protocol):
+    """A step that owns its optimizer's updates."""
+
+    optimizer: torch.optim.Optimizer
+    every: int  # micro-steps per optimizer step
+    step: int  # micro-steps so far
+    pending: int  # calls in the open window
+    updating: bool  # True while the step runs its own optimizer update
+    warned_hand_step: bool
+
+
+def guard_optimizer(owner: GuardedStep) -> None:
+    """Warn, once per ``owner``, when its optimizer is stepped while a window is open, but not by ``owner``.
+
+    A step pre-hook on ``owner.optimizer`` that holds ``owner`` weakly; it is removed when ``owner`` is
+    garbage-collected. No cost on a micro-step: the hook runs only when the optimizer steps.
+    """
+    handle = owner.optimizer.register_step_pre_hook(functools.partial(_on_optimizer_step, weakref.ref(owner)))
+    weakref.finalize(owner, handle.remove).atexit = False
+
+
+def _on_optimizer_step(owner_ref: weakref.ref[GuardedStep], optimizer: Any, args: Any, kwargs: Any) -> None:
+    owner = owner_ref()
+    if owner is None or owner.updating or not owner.pending or owner.warned_hand_step:
+        return
+    owner.warned_hand_step = True
+    warnings.warn(  # stacklevel 3: this hook, torch's step wrapper, the caller of optimizer.step()
+        f"accumulate: optimizer.step() was called by hand on an optimizer that @accumulate steps "
+        f"(after micro-step {owner.step}, {owner.pending} of {owner.every} of the window accumulated), "
+        f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
+        f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps on every {owner.every}-th "
+        f"call and `train_step.flush()` applies a short last window.",
+        SpeedupsWarning,
+        stacklevel=3,
+    )

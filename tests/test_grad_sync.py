@@ -1,0 +1,73 @@
+"""The gradient-sync strategies @accumulate picks once: one process, DDP (one-process gloo group), FSDP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from speedups import SpeedupsError
+from speedups.grad_sync import DDPSync, FSDP2Sync, GradSync, SyncKind, count_dtype, grad_sync_for
+from tests._dist import free_port
+
+
+class _FakeFSDP2(nn.Linear):
+    """Stands in for an FSDP2 module: all the strategy looks for is set_requires_gradient_sync."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 1)
+        self.sync_calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.sync_calls.append(requires_gradient_sync)
+
+
+def test_one_process_syncs_nothing_and_weighs_by_the_first_count() -> None:
+    for model in (None, nn.Linear(3, 1)):
+        sync = grad_sync_for(model)
+        assert type(sync) is GradSync and sync.kind is SyncKind.SINGLE and sync.world == 1
+    assert sync.micro_step(False) is sync.micro_step(True)  # one shared null context: nothing allocated
+    assert sync.reference(0) == 1.0 and sync.reference(8) == 8.0
+    ref = sync.reference(torch.tensor(8))
+    assert ref.dtype == count_dtype(ref.device) == torch.float64 and ref.item() == 8.0
+    loss = torch.tensor(2.0)
+    assert sync.weigh(loss, 4, 8.0).item() == 1.0
+    assert sync.sync_window(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), None, 1, 4) is None
+
+
+def test_fsdp2_switches_sync_only_when_it_changes_and_cannot_flush() -> None:
+    model = _FakeFSDP2()
+    sync = grad_sync_for(model)
+    assert isinstance(sync, FSDP2Sync) and sync.kind is SyncKind.FSDP2 and sync.world == 1
+    for boundary in (False, False, True, False, True):
+        sync.micro_step(boundary)
+    assert model.sync_calls == [False, True, False, True]
+    assert sync.reference(torch.tensor(8)) == 1.0 and sync.weigh(torch.tensor(2.0), 4, 1.0).item() == 8.0
+    sync.micro_step(False)
+    sync.restart()  # a loaded checkpoint: sync back on, the next window starts afresh
+    assert model.sync_calls[-2:] == [False, True] and not sync.sync_off
+    with pytest.raises(SpeedupsError, match=r"3 micro-steps are pending on an FSDP2 .* multiple of 4"):
+        sync.sync_window(torch.optim.SGD(model.parameters(), lr=0.1), None, 3, 4)
+
+
+def test_ddp_runs_non_boundary_calls_in_no_sync_and_flush_sums_grads_and_count() -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+        sync = grad_sync_for(ddp)
+        assert isinstance(sync, DDPSync) and sync.kind is SyncKind.DDP and sync.world == 1
+        assert sync.group is ddp.process_group
+        with sync.micro_step(False):
+            assert not ddp.require_backward_grad_sync
+        with sync.micro_step(True):
+            assert ddp.require_backward_grad_sync
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ddp.module.weight.grad = torch.ones(1, 3)  # the bias has none: it is sent as zeros
+        count = sync.sync_window(opt, lambda device: torch.full((), 5.0, device=device), 2, 4)
+        assert count is not None and count.item() == 5.0
+        assert ddp.module.weight.grad.tolist() == [[1.0, 1.0, 1.0]]
+        assert ddp.module.bias.grad is not None and ddp.module.bias.grad.tolist() == [0.0]
+    finally:
+        torch.distributed.destroy_process_group()
