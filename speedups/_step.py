@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -20,12 +20,10 @@ from speedups import _validate
 
 __all__ = [
     "ScalerSink",
-    "active_checker",
     "apply_update",
     "check_max_grad_norm",
     "current_step",
     "grads_of",
-    "owned_update",
     "total_norm",
 ]
 
@@ -39,11 +37,6 @@ class ScalerSink(Protocol):
 
 
 current_step: ContextVar[ScalerSink | None] = ContextVar("speedups_current_step", default=None)
-
-# While ``speedups.check()`` runs: the checker to which ``@accumulate`` reports the optimizers it steps.
-active_checker: ContextVar[Any] = ContextVar("speedups_active_checker", default=None)
-# True while :func:`apply_update` itself steps the optimizer: that step is the one ``@accumulate`` owns.
-owned_update: ContextVar[bool] = ContextVar("speedups_owned_update", default=False)
 
 
 def check_max_grad_norm(max_grad_norm: object, said: str) -> float | None:

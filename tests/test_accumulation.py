@@ -213,6 +213,7 @@ def test_multi_process_job_without_model_warns(monkeypatch: pytest.MonkeyPatch) 
     accumulate(4, opt)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("accumulate")
     assert re.search(r"hand-written\s+[\d.]+ s\s+1\.000x", stdout), stdout
@@ -447,6 +448,7 @@ def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
     assert train_step.pending == 1
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["mean", "items"])
 def test_ddp_equals_the_single_process_reference_with_one_all_reduce_per_step(mode: str) -> None:
