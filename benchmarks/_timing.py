@@ -14,6 +14,13 @@ from pathlib import Path
 
 # Where charts and the suite's latest.md go; tests point it at a temporary folder.
 RESULTS = Path(os.environ.get("SPEEDUPS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shown(path: Path) -> str:
+    """``path`` as printed into results: relative to the repository root when inside it (no machine paths)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def compare(
@@ -46,8 +53,8 @@ def ratio_table(title: str, seconds: Mapping[str, float], baseline: str, unit: s
     return "\n".join(lines)
 
 
-def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, ylabel: str = "ratio") -> Path:
-    """Write a bar chart of ``ratios`` to a PNG (needs matplotlib: ``pip install speedups[examples]``)."""
+def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, ylabel: str = "ratio") -> str:
+    """Write a bar chart of ``ratios`` to a PNG (needs matplotlib); return its path, as :func:`shown`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -63,4 +70,4 @@ def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, yla
     ax.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    return path
+    return shown(path)
