@@ -9,6 +9,7 @@ guarded by a hook: stepping it by hand while a window is open warns once.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -18,9 +19,19 @@ from typing import Any, Protocol
 import torch
 
 from speedups import _env, _validate
-from speedups.errors import SpeedupsWarning
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
-__all__ = ["GuardedStep", "check_arguments", "check_result", "check_state", "guard_optimizer", "short"]
+__all__ = [
+    "GuardedStep",
+    "check_arguments",
+    "check_outer_autocast",
+    "check_result",
+    "check_state",
+    "guard_optimizer",
+    "refuse_reentry",
+    "short",
+    "warn_skipped",
+]
 
 
 def short(value: object) -> str:
@@ -61,6 +72,14 @@ def check_arguments(
                 f"scheduler={short(scheduler)}: expected an LR scheduler with a step() method or None, got "
                 f"{type(scheduler).__name__}."
             )
+        if scheduler is not None and _needs_arguments(scheduler.step):
+            raise TypeError(
+                f"scheduler={type(scheduler).__name__}: its step() needs an argument (ReduceLROnPlateau "
+                f"needs the metric), but @accumulate calls scheduler.step() with none after each optimizer "
+                f"step. Allowed: a scheduler stepped per optimizer step (StepLR, OneCycleLR, LambdaLR...). "
+                f"Fix: leave it out of accumulate(...) and step it yourself after validation: "
+                f"`scheduler.step(val_loss)`."
+            )
         max_grad_norm = _validate.real(
             max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0"
         )
@@ -80,6 +99,17 @@ def check_arguments(
             stacklevel=stacklevel,
         )
     return every, max_grad_norm
+
+
+def _needs_arguments(step: Any) -> bool:
+    """Whether ``step()`` cannot be called without arguments (False when its signature cannot be read)."""
+    try:
+        inspect.signature(step).bind()
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read (a builtin): assume it can
+        return False
+    return False
 
 
 def check_result(out: Any) -> tuple[torch.Tensor, Any]:
@@ -218,3 +248,54 @@ def _on_optimizer_step(owner_ref: weakref.ref[GuardedStep], optimizer: Any, args
         SpeedupsWarning,
         stacklevel=3,
     )
+
+
+def refuse_reentry(step: int, pending: int, every: int) -> None:
+    """Raise: the step was called from inside its own call (before anything of the inner call changed).
+
+    Raises:
+        SpeedupsError: always.
+    """
+    raise SpeedupsError(
+        f"accumulate: the step was called from inside itself (during micro-step {step + 1}, with {pending} "
+        f"of {every} micro-steps of the window accumulated). The inner call would count, weigh and maybe "
+        f"apply the window in the middle of the outer one. Call the step once per micro-batch, from the "
+        f"loop; to reuse its loss code inside it, call a plain (undecorated) function."
+    )
+
+
+def check_outer_autocast(device_type: str) -> None:
+    """Refuse a step without a GradScaler that runs inside an fp16 autocast entered outside the step.
+
+    Called after the user's function returned, so any autocast still active was entered around the step:
+    ``@mixed_precision("fp16")`` stacked above ``@accumulate``, or a ``with`` around the loop. Its loss
+    scaling would be silently lost (fp16 gradients unscaled). No sync: two reads of torch's autocast state.
+
+    Raises:
+        SpeedupsError: fp16 autocast is on for ``device_type`` (nothing of this micro-step applied yet).
+    """
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+        raise SpeedupsError(
+            f"accumulate: the step runs inside an fp16 autocast ({device_type}) entered outside it, "
+            f"e.g. @mixed_precision('fp16') stacked above @accumulate or `with mixed_precision('fp16'):` "
+            f"around the loop, so the step never gets its GradScaler: fp16 gradients would go unscaled "
+            f"(loss scaling silently lost). Fix: put mixed_precision under the step, "
+            f"`@accumulate(...)` then `@amp` right above `def train_step(...)`, or `with amp:` inside its body."
+        )
+
+
+def warn_skipped(step: int, *, empty: bool) -> None:
+    """Warn that the window ending at micro-step ``step`` was not applied: it held 0 items, or NaN/inf."""
+    if empty:
+        why = (
+            "holds 0 items (every num_items was 0): there is nothing to learn from it, so the optimizer "
+            "step and the scheduler step were skipped."
+        )
+    else:
+        why = (
+            "has NaN or inf gradients (a non-finite loss, or an overflow): the optimizer step and the "
+            "scheduler step were skipped and the gradients dropped. Lower the learning rate or clip "
+            "(max_grad_norm=1.0)."
+        )
+    # stacklevel 5: here, _update, __call__ (or flush), the wrapt wrapper, the caller of the step
+    warnings.warn(f"accumulate: the window ending at micro-step {step} {why}", SpeedupsWarning, stacklevel=5)

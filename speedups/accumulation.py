@@ -10,7 +10,6 @@ gradients reach the other ranks (DDP's ``no_sync()``, FSDP2's gradient-sync swit
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -18,8 +17,17 @@ import torch
 import wrapt
 
 from speedups import _step
-from speedups._step_checks import check_arguments, check_result, check_state, guard_optimizer
-from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups._step_checks import (
+    check_arguments,
+    check_outer_autocast,
+    check_result,
+    check_state,
+    guard_optimizer,
+    refuse_reentry,
+    warn_skipped,
+)
+from speedups._zero_items import GradMask, keep_of
+from speedups.errors import SpeedupsError
 from speedups.grad_sync import SyncKind, count_dtype, grad_sync_for
 
 __all__ = ["accumulate"]
@@ -73,6 +81,8 @@ class _Accumulator:
         # the gradient norm, identical on every rank after the sync, so every rank decides alike.
         self.check_losses = skip_nonfinite and self.sync.kind is SyncKind.SINGLE
         self.updating = False  # True while this step runs its own optimizer update
+        self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see speedups._zero_items)
+        self.host_items = False  # this rank's open window counted items > 0 given as Python numbers
         self.warned_hand_step = False
 
     # ------------------------------------------------------------------------------------------ call
@@ -92,6 +102,8 @@ class _Accumulator:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """The wrapt wrapper: one micro-step."""
+        if _step.current_step.get() is self:
+            refuse_reentry(self.step, self.pending, self.every)
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
         ctx = self.sync.micro_step(boundary)
@@ -100,10 +112,11 @@ class _Accumulator:
             with ctx:
                 out = wrapped(*args, **kwargs)
                 loss, n = self._parse(out)
+                if self.scaler is None:
+                    check_outer_autocast(loss.device.type)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
-                if self.check_losses:  # checked for NaN/inf at the boundary, in one go
-                    self.losses.append(detached)
                 work = None
+                keep: bool | torch.Tensor | None = None  # None: every gradient of this call counts
                 if n is None:
                     target = loss if self.every == 1 else loss * self.inv_every
                 else:
@@ -111,15 +124,18 @@ class _Accumulator:
                         self.ref_n = self.sync.reference(n)
                     target = self.sync.weigh(loss, n, self.ref_n)
                     self._add_items(n)
+                    keep = keep_of(n)
                     if boundary and self.sync.world > 1:
                         # The global item count, all-reduced while backward runs: the step's one extra
                         # collective, launched before DDP's bucket all-reduces on every rank (same order).
                         count = self._local_count(loss.device)
                         work = self.sync.reduce_count(count)
                         self.total_device, self.total_host = count, 0.0
+                if self.check_losses and keep is not False:  # checked for NaN/inf at the boundary, in one go
+                    self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
                 if self.scaler is not None:
                     target = self.scaler.scale(target)
-                target.backward()
+                self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
         finally:
             _step.current_step.reset(token)
         self.step += 1
@@ -159,6 +175,7 @@ class _Accumulator:
             self.total_device = n if self.total_device is None else self.total_device + n
         else:
             self.total_host += float(n)
+            self.host_items = self.host_items or n > 0
 
     def _local_count(self, device: torch.device) -> torch.Tensor:
         if self.total_device is None:
@@ -178,51 +195,51 @@ class _Accumulator:
             return torch.where(total > 0, averaged * self.ref_n / total, torch.zeros_like(total)).float()
         return averaged * self.every / (self.sync.world * self.pending)
 
+    def _has_items(self) -> bool:
+        """Whether the window (all ranks) holds items; a sync only for device-tensor counts (see accumulate)."""
+        if self.total_device is None:
+            return bool(self.total_host)
+        if self.host_items:  # this rank counted items on the host, so the global sum is > 0 too
+            return True
+        return bool((self.total_device + self.total_host > 0).item())  # host-device sync, once per step
+
     def _update(self, synced: bool) -> None:
-        factor = self._factor(synced)
-        if self.mode == _ITEMS and self.total_device is None and not self.total_host:
-            warnings.warn(
-                f"accumulate: the window ending at micro-step {self.step} holds 0 items (every num_items was "
-                f"0): there is nothing to learn from it, so the optimizer step was skipped.",
-                SpeedupsWarning,
-                stacklevel=4,
-            )
+        # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
+        # its gradients are dropped and the counters say what really happened, then the error propagates.
+        try:
+            if self.mode == _ITEMS and not self._has_items():
+                self.last_step_skipped = True
+                warn_skipped(self.step, empty=True)
+                return
+            factor = self._factor(synced)
+            self.updating = True  # the optimizer step below is this step's own: its guard lets it pass
+            try:
+                stepped, self.probe = _step.apply_update(
+                    self.optimizer,
+                    self.scaler,
+                    self.max_grad_norm,
+                    factor,
+                    skip_nonfinite=self.skip_nonfinite,
+                    probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
+                )
+            finally:
+                self.updating = False
+            self.last_step_skipped = not stepped
+            if stepped:
+                self.num_updates += 1
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            elif self.scaler is None:
+                warn_skipped(self.step, empty=False)
+        finally:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_window()
-            self.last_step_skipped = True
-            return
-        self.updating = True  # the optimizer step below is this step's own: its guard lets it pass
-        try:
-            stepped, self.probe = _step.apply_update(
-                self.optimizer,
-                self.scaler,
-                self.max_grad_norm,
-                factor,
-                skip_nonfinite=self.skip_nonfinite,
-                probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
-            )
-        finally:
-            self.updating = False
-        self.last_step_skipped = not stepped
-        if stepped:
-            self.num_updates += 1
-            if self.scheduler is not None:
-                self.scheduler.step()
-        elif self.scaler is None:
-            warnings.warn(
-                f"accumulate: the gradients of the window ending at micro-step {self.step} are NaN or inf "
-                f"(a non-finite loss, or an overflow): the optimizer step and the scheduler step were "
-                f"skipped and the gradients dropped. Lower the learning rate or clip (max_grad_norm=1.0).",
-                SpeedupsWarning,
-                stacklevel=4,
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()
 
     def _reset_window(self) -> None:
         self.pending = 0
         self.total_host = 0.0
         self.total_device = None
+        self.host_items = False
         self.losses = []
         self.ref_n = 1.0
 

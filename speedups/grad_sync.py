@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups import _env
+from speedups._wrappers import find_ddp, layers
 from speedups.errors import SpeedupsError
 
 __all__ = ["DDPSync", "FSDP2Sync", "GradSync", "SyncKind", "count_dtype", "grad_sync_for"]
@@ -132,12 +133,27 @@ class DDPSync(_DataParallel):
         pending: int,
         every: int,
     ) -> torch.Tensor | None:
-        """Sum the gradients (one all-reduce per dtype and device) and the item count over the ranks."""
+        """Sum the gradients and the item count over the ranks, as DDP's own sync would.
+
+        The ranks first agree on which parameters hold a gradient on some rank (one small all-reduce of a
+        flag per parameter, which also carries the item count); a parameter without one anywhere keeps
+        ``grad=None``, exactly as DDP leaves a parameter no rank used (so Adam does not move it). The others
+        are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
+        """
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        params = list({id(p): p for p in params}.values())  # a tied parameter is summed once
+        device = params[0].device if params else torch.device("cpu")
+        flags = torch.tensor([p.grad is not None for p in params], dtype=count_dtype(device))
+        count = local_count(device) if local_count is not None else None
+        head = flags.to(device) if count is None else torch.cat([flags.to(device), count.reshape(1)])
+        dist.all_reduce(head, group=self.group)
+        had_grad = head[: len(params)].tolist()  # host sync (once per flush, never on the hot path)
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in params:
+        for p, anywhere in zip(params, had_grad, strict=True):
+            if not anywhere:
+                continue  # no rank has a gradient for it: left None, as DDP leaves it
             if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every rank must send the same layout
+                p.grad = torch.zeros_like(p)  # another rank has one: every rank sends the same layout
             by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
@@ -149,11 +165,7 @@ class DDPSync(_DataParallel):
                 assert grad is not None
                 grad.copy_(flat[offset : offset + size].view_as(grad))
                 offset += size
-        if local_count is None:
-            return None
-        count = local_count(params[0].device if params else torch.device("cpu"))
-        dist.all_reduce(count, group=self.group)
-        return count
+        return None if count is None else head[len(params)]
 
 
 class FSDP2Sync(_DataParallel):
@@ -190,9 +202,17 @@ class FSDP2Sync(_DataParallel):
 
 
 def grad_sync_for(model: torch.nn.Module | None) -> GradSync:
-    """The strategy for ``model`` (as given to ``accumulate(model=...)``), chosen once at decoration."""
-    if isinstance(model, DistributedDataParallel):
-        return DDPSync(model)
-    if model is not None and callable(getattr(model, "set_requires_gradient_sync", None)):
-        return FSDP2Sync(model)
+    """The strategy for ``model`` (as given to ``accumulate(model=...)``), chosen once at decoration.
+
+    DDP and FSDP2 are found through ``torch.compile`` wrappers in either order (``torch.compile(ddp_model)``
+    and ``DDP(torch.compile(model))``): see :mod:`speedups._wrappers`.
+    """
+    if model is None:
+        return GradSync()
+    ddp = find_ddp(model)
+    if ddp is not None:
+        return DDPSync(ddp)
+    for layer in layers(model):
+        if callable(getattr(type(layer), "set_requires_gradient_sync", None)):
+            return FSDP2Sync(layer)
     return GradSync()

@@ -168,15 +168,24 @@ def test_clipping_applies_once_to_the_normalised_gradient() -> None:
 def test_no_host_sync_by_default_and_one_per_boundary_with_skip_nonfinite() -> None:
     X, Y = _linear_data()
     model, opt, _ = _pair()
-    plain = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), torch.tensor(float(len(y)))))
+    plain = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), len(y)))
     with SyncCounter() as counter:
         for i in range(8):
             plain(X[i : i + 4], Y[i : i + 4])
-    assert counter.count == 0 and plain.num_updates == 2
+    assert counter.count == 0 and plain.num_updates == 2  # Python-number counts: sync-free
+    # A device-tensor count: one sync per optimizer step (is the window empty?), none on other micro-steps.
+    tensor_counts = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), torch.tensor(float(len(y)))))
+    with SyncCounter() as counter:
+        for i in range(3):
+            tensor_counts(X[i : i + 4], Y[i : i + 4])
+    assert counter.count == 0 and tensor_counts.pending == 3
+    with SyncCounter() as counter:
+        tensor_counts(X[:4], Y[:4])
+    assert counter.count == 1 and tensor_counts.num_updates == 1
 
     @accumulate(4, opt, skip_nonfinite=True)
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.mse_loss(model(x), y), torch.tensor(float(len(y)))
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return F.mse_loss(model(x), y), len(y)
 
     with SyncCounter() as counter:
         for i in range(3):
@@ -478,7 +487,9 @@ def test_a_window_of_zero_items_never_writes_nan() -> None:
     assert step_host.last_step_skipped and step_host.num_updates == 0
     torch.testing.assert_close(list(model.parameters()), before, atol=0, rtol=0)
     step_device = accumulate(1, opt)(lambda n: (model(x).pow(2).mean(), n))
-    step_device(torch.tensor(0))  # a device count: no sync to look at it, the gradients become 0
+    with pytest.warns(SpeedupsWarning, match="0 items"):  # a device count: the same rule, one sync
+        step_device(torch.tensor(0))
+    assert step_device.last_step_skipped and step_device.num_updates == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     torch.testing.assert_close(list(model.parameters()), before, atol=0, rtol=0)  # SGD, no momentum
 
