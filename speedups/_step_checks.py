@@ -279,8 +279,8 @@ def check_outer_autocast(device_type: str) -> None:
             f"accumulate: the step runs inside an fp16 autocast ({device_type}) entered outside it, "
             f"e.g. @mixed_precision('fp16') stacked above @accumulate or `with mixed_precision('fp16'):` "
             f"around the loop, so the step never gets its GradScaler: fp16 gradients would go unscaled "
-            f"(loss scaling silently lost). Fix: put mixed_precision under the step, "
-            f"`@accumulate(...)` then `@amp` right above `def train_step(...)`, or `with amp:` inside its body."
+            f"(loss scaling silently lost). Fix: put mixed_precision under the step, `@accumulate(...)` "
+            f"then `@amp` right above `def train_step(...)`, or `with amp:` inside its body."
         )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,7 +46,6 @@ class GradMask:
         weakref.finalize(self, _remove, handles).atexit = False
         self.installed = True
 
-
     def backward(
         self, target: torch.Tensor, keep: bool | torch.Tensor | None, optimizer: Any, *, single: bool
     ) -> None:
@@ -65,7 +64,7 @@ class GradMask:
             self.keep = None
 
 
-def keep_of(n: Any) -> bool | torch.Tensor | None:
+def keep_of(n: Any) -> Literal[False] | torch.Tensor | None:
     """Which gradients a micro-step of ``n`` items keeps: None (all), False (none), or ``n > 0`` on device."""
     if isinstance(n, torch.Tensor):
         return n.detach().reshape(()) > 0  # a device bool: no sync

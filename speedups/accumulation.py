@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import wrapt
@@ -116,7 +116,7 @@ class _Accumulator:
                     check_outer_autocast(loss.device.type)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
-                keep: bool | torch.Tensor | None = None  # None: every gradient of this call counts
+                keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
                 if n is None:
                     target = loss if self.every == 1 else loss * self.inv_every
                 else:
@@ -143,6 +143,7 @@ class _Accumulator:
         if boundary:
             if work is not None:
                 work.wait()
+            self.sync.before_update(self.optimizer)
             self._update(synced=True)
         if n is None:
             return detached
@@ -196,7 +197,7 @@ class _Accumulator:
         return averaged * self.every / (self.sync.world * self.pending)
 
     def _has_items(self) -> bool:
-        """Whether the window (all ranks) holds items; a sync only for device-tensor counts (see accumulate)."""
+        """Whether the window (all ranks) holds items; a sync only for device-tensor counts."""
         if self.total_device is None:
             return bool(self.total_host)
         if self.host_items:  # this rank counted items on the host, so the global sum is > 0 too
@@ -250,7 +251,10 @@ class _Accumulator:
         count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
         if count is not None:
             self.total_device, self.total_host = count, 0.0
-        self._update(synced=False)
+        try:
+            self._update(synced=False)
+        finally:
+            self.sync.after_flush(self.optimizer)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

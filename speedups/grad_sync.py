@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -97,6 +98,12 @@ class GradSync:
         """
         return None
 
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called at a boundary, after the gradients were synchronised and before the optimizer update."""
+
+    def after_flush(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called after the update of a flushed window (every rank calls it)."""
+
     def restart(self) -> None:
         """Forget any switched-off sync, after a checkpoint is loaded: the next window starts afresh."""
 
@@ -116,15 +123,36 @@ class _DataParallel(GradSync):
 
 
 class DDPSync(_DataParallel):
-    """``DistributedDataParallel``: the calls inside a window run in ``no_sync()``; a flush all-reduces."""
+    """``DistributedDataParallel``: the calls inside a window run in ``no_sync()``; a flush all-reduces.
+
+    With ``find_unused_parameters=True``, DDP counts a parameter as used from the first ``no_sync()`` backward
+    that reached it until its next synchronised backward; a flushed window never reaches that backward, so
+    DDP still counts its parameters as used in the next window (and refuses an undefined gradient for them).
+    After a flush each of those keeps a zero gradient, and every rank notes which parameters really get one
+    until the next update: there, one small all-reduce of those notes (once per flush, never per micro-step)
+    tells every rank which parameters no rank used; their gradients go back to None, as DDP leaves them.
+    """
 
     kind = SyncKind.DDP
 
     def __init__(self, model: DistributedDataParallel) -> None:
         super().__init__(model, dist.get_world_size(model.process_group), model.process_group)
+        self.find_unused = bool(getattr(model, "find_unused_parameters", False))
+        self.used: dict[int, list[bool]] = {}  # id(param) -> [really got a gradient], after a flush
+        self.handles: list[Any] = []
+        self.stale: list[torch.nn.Parameter] = []  # had a gradient in the flushed window, on this rank
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         return _NULL if boundary else self.model.no_sync()
+
+    def _got_grad(self, p: torch.nn.Parameter) -> bool:
+        cell = self.used.get(id(p))
+        return p.grad is not None if cell is None else cell[0]
+
+    def _forget(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.used = [], {}
 
     def sync_window(
         self,
@@ -140,18 +168,21 @@ class DDPSync(_DataParallel):
         ``grad=None``, exactly as DDP leaves a parameter no rank used (so Adam does not move it). The others
         are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
         """
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        params = list({id(p): p for p in params}.values())  # a tied parameter is summed once
+        params = _params(optimizer)
         device = params[0].device if params else torch.device("cpu")
-        flags = torch.tensor([p.grad is not None for p in params], dtype=count_dtype(device))
+        got = [self._got_grad(p) for p in params]
+        self._forget()
+        self.stale = [p for p, had in zip(params, got, strict=True) if had]
+        flags = torch.tensor(got, dtype=count_dtype(device))
         count = local_count(device) if local_count is not None else None
         head = flags.to(device) if count is None else torch.cat([flags.to(device), count.reshape(1)])
         dist.all_reduce(head, group=self.group)
-        had_grad = head[: len(params)].tolist()  # host sync (once per flush, never on the hot path)
+        anywhere = head[: len(params)].tolist()  # host sync (once per flush, never on the hot path)
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p, anywhere in zip(params, had_grad, strict=True):
-            if not anywhere:
-                continue  # no rank has a gradient for it: left None, as DDP leaves it
+        for p, used in zip(params, anywhere, strict=True):
+            if not used:
+                p.grad = None  # no rank has a gradient for it: left None, as DDP leaves it
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # another rank has one: every rank sends the same layout
             by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
@@ -166,6 +197,46 @@ class DDPSync(_DataParallel):
                 grad.copy_(flat[offset : offset + size].view_as(grad))
                 offset += size
         return None if count is None else head[len(params)]
+
+    def after_flush(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give DDP's still-"used" parameters zero gradients; note which really get one until the update."""
+        stale, self.stale = self.stale, []
+        if not self.find_unused:
+            return
+        for p in stale:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for p in _params(optimizer):
+            cell = [False]
+            self.used[id(p)] = cell
+            self.handles.append(p.register_hook(functools.partial(_note_used, cell)))
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a flush: drop (to None) the gradients of parameters no rank used in this window."""
+        if not self.used:
+            return
+        params = _params(optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        flags = torch.tensor([self._got_grad(p) for p in params], dtype=count_dtype(device)).to(device)
+        self._forget()
+        dist.all_reduce(flags, group=self.group)  # the one extra collective, in the window after a flush
+        for p, used in zip(params, flags.tolist(), strict=True):
+            if not used:
+                p.grad = None
+
+    def restart(self) -> None:
+        self._forget()
+        self.stale = []
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The distinct parameters of ``optimizer`` that require grad, in param-group order."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return list({id(p): p for p in params}.values())
+
+
+def _note_used(cell: list[bool], grad: torch.Tensor) -> None:
+    cell[0] = True
 
 
 class FSDP2Sync(_DataParallel):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speedups._tree import tree_map
+from speedups._wrappers import find_ddp
 from speedups.errors import SpeedupsWarning
 
 if TYPE_CHECKING:
@@ -99,9 +100,8 @@ class MistakeWatcher:
         self._sampler_epochs[id(sampler)] = epoch
 
     def _install_no_sync_detector(self, model: torch.nn.Module) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
+        ddp = find_ddp(model)  # also inside torch.compile, in either order
+        if ddp is None:
             return
 
         def after_forward(module: Any, args: Any, output: Any) -> None:
@@ -122,7 +122,7 @@ class MistakeWatcher:
 
             leaf.register_hook(at_backward)
 
-        self._hooks.append(model.register_forward_hook(after_forward))
+        self._hooks.append(ddp.register_forward_hook(after_forward))
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:

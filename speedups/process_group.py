@@ -29,6 +29,7 @@ import wrapt
 from torch import nn
 
 from speedups import _env, _validate
+from speedups._wrappers import find_ddp, layers, unwrap
 from speedups.device import default_device
 from speedups.errors import SpeedupsError
 
@@ -249,7 +250,10 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
     Source: PyTorch's DDP notes (https://pytorch.org/docs/stable/notes/ddp.html) and the FSDP2 docs.
 
     Args:
-        model: the module to train; at least one parameter must require grad.
+        model: the module to train; at least one parameter must require grad. A compiled one
+            (``torch.compile(m)``) is wrapped as ``DDP(compiled)`` (FSDP2 shards the module inside it);
+            ``torch.compile(ddp_wrap(m))`` is the order PyTorch recommends. ``@accumulate`` and ``check()``
+            see through either order.
         strategy: ``"ddp"`` or ``"fsdp"``.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``) or to
             ``fully_shard`` (e.g. ``reshard_after_forward=False``); checked against their signatures first.
@@ -279,10 +283,10 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
             f"ddp_wrap(strategy={strategy!r}): unknown strategy. "
             f"Use 'ddp' (replicas) or 'fsdp' (FSDP2 sharding)."
         )
-    if isinstance(model, nn.parallel.DistributedDataParallel) or _is_fsdp(model):
+    if find_ddp(model) is not None or any(_is_fsdp(layer) for layer in layers(model)):
         raise TypeError(
-            f"ddp_wrap(model={type(model).__name__}): the model is already wrapped. "
-            f"Pass the plain module, once."
+            f"ddp_wrap(model={type(model).__name__}): the model is already wrapped (DDP or FSDP2, maybe "
+            f"inside torch.compile). Pass the plain module, once: torch.compile(ddp_wrap(model))."
         )
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
@@ -308,7 +312,8 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
     if not running:
         return model
     if strategy == "fsdp":
-        return target(model, **kwargs)
+        target(unwrap(model), **kwargs)  # FSDP2 shards the plain module in place, also under torch.compile
+        return model
     if device.type == "cuda":
         kwargs.setdefault("device_ids", [device.index])
     return nn.parallel.DistributedDataParallel(model, **kwargs)

@@ -125,7 +125,8 @@ def shard_model(
     Sync points: none on the host; a CUDA-to-CPU copy waits for the GPU, as ``.cpu()`` does.
 
     Args:
-        model: the model; changed in place and returned.
+        model: the model; changed in place and returned. A ``torch.compile`` wrapper is seen through: the
+            module inside it is sharded (names as in the plain model) and the wrapper returned.
         device_map: ``{dotted submodule name: device}``, e.g. ``{"encoder": 0, "decoder.layers.3": "cpu"}``.
             Names are those of ``model.named_modules()`` (not ``""``, the model itself); no key may lie inside
             another. A device is an int (a CUDA index), a string such as ``"cuda:1"``, ``"cpu"``, ``"meta"``,
@@ -163,9 +164,18 @@ def shard_model(
         _validate.flag(enabled, "enabled")
     if not enabled:
         return model
-    plan = make_plan(model, device_map, default_device, output_device)
-    _apply(model, plan)
+    plain = _compiled_inner(model)  # torch.compile(model): shard the module it runs, keys as unsharded
+    plan = make_plan(plain, device_map, default_device, output_device)
+    _apply(plain, plan)
     return model
+
+
+def _compiled_inner(model: M) -> M:
+    """The module inside any ``torch.compile`` wrappers of ``model`` (``model`` itself when not compiled)."""
+    inner: Any = model
+    while (next_inner := _compat.compiled_inner(inner)) is not None:
+        inner = next_inner
+    return inner
 
 
 def unshard_model(model: M, device: DeviceLike | None = None) -> M:
@@ -186,6 +196,7 @@ def unshard_model(model: M, device: DeviceLike | None = None) -> M:
 
     Nothing is changed when it raises.
     """
+    compiled, model = model, _compiled_inner(model)
     plan = getattr(model, PLAN_ATTR, None)
     if not isinstance(plan, Sharding):
         raise SpeedupsError(
@@ -213,7 +224,7 @@ def unshard_model(model: M, device: DeviceLike | None = None) -> M:
         if INSIDE_ATTR in module.__dict__:
             delattr(module, INSIDE_ATTR)
     model.to(target)
-    return model
+    return compiled
 
 
 # ---------------------------------------------------------------------------------------------- applying
