@@ -1,0 +1,123 @@
+"""Zero-item micro-batches and windows (all padding): one rule for int, float and tensor counts (issue 13.4)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from speedups import SpeedupsWarning
+from speedups.accumulation import accumulate
+from tests._sync_counter import SyncCounter
+
+# 12 micro-batches of 4 rows, accumulate(4): 3 windows. Micro-batch 1 is all padding (a NaN masked mean);
+# window 2 (micro-batches 4-7) is all padding: no optimizer step, no scheduler step.
+MASKS = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]] + [[0] * 4] * 4 + [[1, 0, 0, 0]] * 4
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 3, generator=g), torch.randn(48, 1, generator=g)
+    return x, y, torch.tensor(MASKS, dtype=torch.float32).reshape(48, 1)
+
+
+def _masked_mean(pred: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((pred - y).pow(2) * mask).sum() / mask.sum()  # 0 / 0 = NaN for an all-padding batch
+
+
+def _model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _reference(max_grad_norm: float | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """Plain PyTorch: per window, the masked mean over every real item of the window; an empty window is
+    skipped entirely (no optimizer step, no scheduler step)."""
+    x, y, mask = _data()
+    model, opt, sched = _model_and_opt()
+    for start in range(0, 48, 16):
+        w = slice(start, start + 16)
+        if mask[w].sum() == 0:
+            continue
+        opt.zero_grad(set_to_none=True)
+        _masked_mean(model(x[w]), y[w], mask[w]).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _run(
+    as_count: Callable[[torch.Tensor], Any], **options: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any]:
+    x, y, mask = _data()
+    model, opt, sched = _model_and_opt()
+    train_step = accumulate(4, opt, scheduler=sched, **options)(
+        lambda xb, yb, mb: (_masked_mean(model(xb), yb, mb), as_count(mb.sum()))
+    )
+    for i in range(0, 48, 4):
+        if i == 28:  # the last call of the empty window
+            with pytest.warns(SpeedupsWarning, match="0 items"):
+                train_step(x[i : i + 4], y[i : i + 4], mask[i : i + 4])
+        else:
+            train_step(x[i : i + 4], y[i : i + 4], mask[i : i + 4])
+    return model, opt, sched, train_step
+
+
+COUNTS = {"int": lambda n: int(n), "float": lambda n: float(n), "tensor": lambda n: n}
+
+
+@pytest.mark.parametrize("options", [{}, {"skip_nonfinite": True}, {"max_grad_norm": 0.5}], ids=str)
+@pytest.mark.parametrize("kind", sorted(COUNTS))
+def test_zero_item_micro_batches_and_windows_equal_the_plain_reference(kind: str, options: dict) -> None:
+    ref, ref_opt, ref_sched = _reference(options.get("max_grad_norm"))
+    model, opt, sched, train_step = _run(COUNTS[kind], **options)
+    assert train_step.num_updates == 2 and sched.last_epoch == ref_sched.last_epoch == 2
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        state, ref_state = opt.state[p], ref_opt.state[q]
+        assert state["step"] == ref_state["step"]
+        torch.testing.assert_close(state["exp_avg"], ref_state["exp_avg"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"], atol=1e-6, rtol=0)
+
+
+def test_int_float_and_tensor_counts_give_identical_weights() -> None:
+    runs = {kind: _run(as_count) for kind, as_count in COUNTS.items()}
+    for kind in ("float", "tensor"):
+        for p, q in zip(runs[kind][0].parameters(), runs["int"][0].parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=1e-7, rtol=0)
+        assert runs[kind][3].num_updates == runs["int"][3].num_updates == 2
+
+
+def test_python_counts_stay_sync_free_and_a_tensor_count_costs_one_sync_per_window() -> None:
+    for kind, per_window in (("int", 0), ("float", 0), ("tensor", 1)):
+        x, y, mask = _data()
+        counts = [COUNTS[kind](mask[i : i + 4].sum()) for i in range(0, 16, 4)]  # made before counting
+        model, _, _ = _model_and_opt()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # Adam reads its CPU step counter: not ours
+        train_step = accumulate(4, opt)(lambda xb, yb, mb, n: (_masked_mean(model(xb), yb, mb), n))
+        with SyncCounter() as counter:
+            for i in range(0, 16, 4):  # the first window, with its all-padding micro-batch
+                train_step(x[i : i + 4], y[i : i + 4], mask[i : i + 4], counts[i // 4])
+        assert train_step.num_updates == 1 and counter.count == per_window, kind
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_zero_count_micro_batch_leaves_the_other_gradients_untouched() -> None:
+    x, y, mask = _data()
+    model, opt, _ = _model_and_opt()
+    reference = copy.deepcopy(model)
+    train_step = accumulate(3, opt)(lambda xb, yb, mb: (_masked_mean(model(xb), yb, mb), mb.sum()))
+    train_step(x[:4], y[:4], mask[:4])
+    train_step(x[4:8], y[4:8], mask[4:8])  # all padding: NaN loss, its gradients must be dropped
+    grads = [p.grad.clone() for p in model.parameters()]
+    _masked_mean(reference(x[:4]), y[:4], mask[:4]).backward()  # weight 3 items / reference 3 (the first)
+    for g, p in zip(grads, reference.parameters(), strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=0)
