@@ -75,7 +75,7 @@ def test_compiled_ddp_with_unused_branches_equals_the_plain_reference_on_two_ran
 
 # ------------------------------------------------------------------------ item 6: metric schedulers
 def test_a_scheduler_that_needs_a_metric_is_refused_at_decoration_with_the_fix() -> None:
-    model, opt = _model_opt()
+    _, opt = _model_opt()
     with pytest.raises(TypeError, match=r"ReduceLROnPlateau.*scheduler\.step\(val_loss\)"):
         accumulate(2, opt, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
 

@@ -1,4 +1,4 @@
-"""Zero-item micro-batches and windows (all padding): one rule for int, float and tensor counts (issue 13.4)."""
+"""Zero-item micro-batches and windows (all padding): one rule for int, float and tensor counts (issue 13)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_python_counts_stay_sync_free_and_a_tensor_count_costs_one_sync_per_wind
         counts = [COUNTS[kind](mask[i : i + 4].sum()) for i in range(0, 16, 4)]  # made before counting
         model, _, _ = _model_and_opt()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # Adam reads its CPU step counter: not ours
-        train_step = accumulate(4, opt)(lambda xb, yb, mb, n: (_masked_mean(model(xb), yb, mb), n))
+        train_step = accumulate(4, opt)(lambda xb, yb, mb, n, m=model: (_masked_mean(m(xb), yb, mb), n))
         with SyncCounter() as counter:
             for i in range(0, 16, 4):  # the first window, with its all-padding micro-batch
                 train_step(x[i : i + 4], y[i : i + 4], mask[i : i + 4], counts[i // 4])

@@ -97,7 +97,8 @@ def run(order: str) -> None:
     gathered = [torch.zeros_like(params) for _ in range(world)]
     dist.all_gather(gathered, params)
     assert b_before_epoch1 is not None
-    b_moved = max((p.detach() - q).abs().max().item() for p, q in zip(base.b.parameters(), b_before_epoch1))
+    b_now = list(base.b.parameters())
+    b_moved = max((p.detach() - q).abs().max().item() for p, q in zip(b_now, b_before_epoch1, strict=True))
     print(
         f"rank={rank} order={order} to_ref={(params - ref_params).abs().max().item():.3e} "
         f"between_ranks={(gathered[0] - gathered[1]).abs().max().item():.3e} b_moved={b_moved:.3e} "
