@@ -321,7 +321,8 @@ class _StepAttributes:
     def flush(self) -> None:
         """Apply the pending short window now, normalised by what it accumulated; no-op if none is pending.
 
-        Under DDP every rank must call it: the window's gradients are all-reduced (one collective per dtype).
+        Under DDP every rank must call it: one small all-reduce (which parameters have a gradient on some
+        rank, and the item count; a host sync), then one per gradient dtype. Unused everywhere: None.
         """
         self._acc().flush()
 
@@ -393,7 +394,8 @@ def accumulate(
     ``train_step.epoch(loader)``) applies a short last window. Stepping the optimizer by hand while a window
     is open warns once.
 
-    Sync points: none by default; one per optimizer step with ``skip_nonfinite=True`` or an fp16 GradScaler.
+    Sync points: none by default; one per optimizer step with ``skip_nonfinite=True``, an fp16 GradScaler, or
+    a device-tensor ``num_items`` (is the window empty? A window of 0 items skips the optimizer step).
     State: ``.step``, ``.is_boundary``, ``.num_updates``, ``.pending``, ``.scaler``, ``.last_step_skipped``,
     ``.found_inf``. Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
 
