@@ -49,9 +49,9 @@ _step_hook: list[Any] = []  # the process-wide optimizer step post-hook, registe
 def _drop_stale_weight_casts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """After any optimizer step taken while one of our autocast contexts is open: drop autocast's cache.
 
-    ``torch.autocast`` caches the low-precision copy of each weight it casts and only clears the cache when the
-    outermost autocast exits; an optimizer step inside the block would leave later forwards on the copies of
-    the old weights. One ContextVar read per optimizer step (not per micro-step); a no-op outside our contexts.
+    ``torch.autocast`` caches the low-precision copy of each weight it casts and clears the cache only when
+    the outermost autocast exits; an optimizer step inside the block would leave later forwards on copies
+    of the old weights. One ContextVar read per optimizer step (none per micro-step); a no-op outside ours.
     """
     if _ENTRIES.get():
         torch.clear_autocast_cache()
@@ -80,18 +80,18 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
     once per optimizer step before clipping, and skips the optimizer and scheduler steps on overflow.
     Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
 
-    A whole loop may run inside one ``with``: after every optimizer step taken while the context is open (ours,
-    ``@accumulate``'s or a hand-written ``optimizer.step()``), autocast's cache of low-precision weight copies is
-    cleared, so the next forward casts the updated weights (torch alone keeps the stale copies until the
-    outermost autocast exits). A weight changed in place without an optimizer inside the block needs
-    ``torch.clear_autocast_cache()``.
+    A whole loop may run inside one ``with``: after every optimizer step taken while the context is open
+    (ours, ``@accumulate``'s or a hand-written ``optimizer.step()``), autocast's cache of low-precision weight
+    copies is cleared, so the next forward casts the updated weights (torch alone keeps the stale copies
+    until the outermost autocast exits). A weight changed in place without an optimizer inside the block
+    needs ``torch.clear_autocast_cache()``.
 
     Sync points: none in the context; fp16 :meth:`step` makes ``GradScaler.step``'s one inf/NaN check.
     From: Micikevicius et al., "Mixed Precision Training" (2018); PyTorch's AMP documentation.
 
     Args:
         dtype: ``"auto"``, ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``,
-            ``torch.bfloat16`` or ``torch.float16``; ``"fp32"``/``"float32"`` means off (as ``enabled=False``).
+            ``torch.bfloat16`` or ``torch.float16``; ``"fp32"``/``"float32"``: off (as ``enabled=False``).
         device_type: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``, ...); None: the type of
             this process's default device.
         init_scale: the GradScaler's first loss scale (fp16 only); a lower one skips fewer first steps.
