@@ -235,8 +235,8 @@ def find_batch_size(
                 break
             if max_size is None and size >= _UNBOUNDED_LIMIT:
                 raise SpeedupsError(
-                    f"find_batch_size(step, model, optimizer, start={start!r}, max_size=None): the step ran at "
-                    f"every size up to {size} without running out of memory, so its memory does not grow "
+                    f"find_batch_size(step, model, optimizer, start={start!r}, max_size=None): the step ran "
+                    f"at every size up to {size} without running out of memory, so its memory does not grow "
                     f"with batch_size (does step build a batch of batch_size samples?), and the search "
                     f"would never end. Make step use its argument, or give the largest size you want: "
                     f"find_batch_size(step, model, optimizer, max_size=4096)."

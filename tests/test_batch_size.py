@@ -326,7 +326,7 @@ def test_accumulation_plan_matches_brute_force_and_is_fast_on_large_inputs() -> 
             "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
             "non-contiguous input."
         ),
-        lambda: RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        lambda: RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"),
         lambda: OOM("CUDA out of memory. Tried to allocate 2.00 GiB"),
     ],
     ids=["cudnn-not-supported", "cuda-runtime-text", "OutOfMemoryError"],

@@ -20,7 +20,7 @@ OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
         RuntimeError("HIP out of memory. Tried to allocate 1.00 GiB"),
         RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)"),
         RuntimeError("XPU out of memory. Tried to allocate 512.00 MiB"),
-        RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: 9 bytes"),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: 9"),
         RuntimeError("not enough memory: you tried to allocate 1 GB"),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
         RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
