@@ -7,6 +7,7 @@ the reverse order, and returns what they counted. Unsampled steps enter nothing 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import warnings
 import weakref
@@ -18,9 +19,10 @@ from torch.overrides import TorchFunctionMode
 
 from speedups._tree import tree_map
 
-__all__ = ["Counts", "SampleMode", "Sampling", "peak_memory", "samples_in"]
+__all__ = ["Counts", "LoaderBatchSizes", "SampleMode", "Sampling", "p90", "peak_memory", "samples_in"]
 
-# Tensor calls that read a value into Python: each is a host-device sync on an accelerator.
+# Tensor calls that read a value into Python: each is a host-device sync when the tensor is on an accelerator
+# (a read of a CPU tensor, such as Adam's step counter or a PackedSequence's batch_sizes, is not).
 _SYNC_CALLS = frozenset(
     {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__format__", "__repr__", "__str__"}
 )
@@ -40,6 +42,7 @@ class SampleMode(TorchFunctionMode):
     A ``TorchFunctionMode`` (public API, above autograd) sees every Python-level tensor call, and the calls
     that read a device value into Python are exactly the syncs a loop writes by hand: ``.item()``,
     ``float(t)``, ``int(t)``, ``if t:``, ``.tolist()``, ``print(t)``, ``.numpy()``, and copies to the CPU.
+    Only reads of tensors on an accelerator count: reading a CPU tensor waits for nothing.
     """
 
     def __init__(self, loss_refs: list[weakref.ref[torch.Tensor]] | None) -> None:
@@ -52,7 +55,8 @@ class SampleMode(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
         if name in _SYNC_CALLS:
-            self.syncs += 1
+            if args and reads_the_device(args[0]):
+                self.syncs += 1
         elif name in _TO_HOST_CALLS:
             src = args[0] if args else None
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and _on_cpu(out):
@@ -72,6 +76,11 @@ class SampleMode(TorchFunctionMode):
         ):
             self.loss_refs.append(weakref.ref(out))
         return out
+
+
+def reads_the_device(tensor: Any) -> bool:
+    """Whether reading ``tensor`` into Python waits for an accelerator (a tensor not on the CPU or meta)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta")
 
 
 def _on_cpu(out: Any) -> bool:
@@ -160,6 +169,45 @@ def samples_in(batch: Any) -> int | None:
 
     tree_map(visit, batch)
     return sizes[0] if sizes else None
+
+
+class LoaderBatchSizes:
+    """The samples in each batch of one pass over a ``DataLoader``, from its ``batch_size``, not a shape.
+
+    Every batch holds ``batch_size`` samples except a short last one (a sized dataset without ``drop_last``),
+    whatever the layout of the tensors (a sequence-first batch has time, not samples, on dimension 0).
+    ``None`` from :meth:`make` when the loader does not batch automatically (a ``batch_sampler`` or
+    ``batch_size=None``): then the caller falls back to :func:`samples_in`.
+    """
+
+    __slots__ = ("batches", "full", "index", "last")
+
+    def __init__(self, full: int, last: int, batches: int | None) -> None:
+        self.full, self.last, self.batches, self.index = full, last, batches, 0
+
+    @classmethod
+    def make(cls, loader: Any) -> LoaderBatchSizes | None:
+        full = getattr(loader, "batch_size", None)
+        if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(full, int):
+            return None
+        try:
+            n_items, batches = len(loader.dataset), len(loader)  # type: ignore[arg-type]
+        except TypeError:  # an iterable dataset without a length
+            return cls(full, full, None)
+        short = 0 if loader.drop_last else n_items % full
+        return cls(full, short or full, batches)
+
+    def next(self) -> int:
+        """The samples in the next batch of the pass."""
+        self.index += 1
+        return self.last if self.batches is not None and self.index == self.batches else self.full
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile of ``values`` (linear between the closest ranks, as numpy's default)."""
+    if len(values) < 2:
+        return values[0]
+    return statistics.quantiles(values, n=10, method="inclusive")[8]
 
 
 def peak_memory() -> str:

@@ -1,8 +1,9 @@
 """Map a function over the leaves of nested containers, keeping every container's exact type.
 
 Containers: any ``Mapping`` (dict, OrderedDict, defaultdict with its ``default_factory``, UserDict and other
-subclasses, extra attributes included), list, tuple, namedtuple (and their subclasses), and dataclass
-instances (frozen ones and ``field(init=False)`` too). Everything else is a leaf. The input is never
+subclasses, extra attributes included), list, tuple, namedtuple (and their subclasses), ``deque`` (its
+``maxlen`` kept), set, frozenset, and dataclass instances (frozen ones and ``field(init=False)`` too).
+Everything else is a leaf. The input is never
 modified: each container is rebuilt, and a container none of whose leaves changed is still a new object.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -37,6 +39,13 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool] 
         new_list = copy.copy(obj)  # keeps a subclass and its attributes
         new_list[:] = [tree_map(fn, v, is_leaf) for v in obj]
         return new_list
+    if isinstance(obj, deque):
+        new_deque = copy.copy(obj)  # keeps maxlen, a subclass and its attributes
+        new_deque.clear()
+        new_deque.extend(tree_map(fn, v, is_leaf) for v in obj)
+        return new_deque
+    if isinstance(obj, (set, frozenset)):
+        return type(obj)(tree_map(fn, v, is_leaf) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)  # no __init__ / __post_init__ rerun; init=False values carried over
         for f in dataclasses.fields(obj):

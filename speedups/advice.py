@@ -50,6 +50,10 @@ class Summary:
     loader_workers: int | None
     usable_cpus: int
     peak_memory: str
+    median_data_s: float | None = None
+    median_step_s: float | None = None
+    p90_data_s: float | None = None
+    p90_step_s: float | None = None
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -143,6 +147,12 @@ RULES: tuple[Callable[[Summary], Advice | None], ...] = (
 )
 
 
+def _spread(median_s: float | None, p90_s: float | None) -> str:
+    if median_s is None or p90_s is None:
+        return ""
+    return f"  median {median_s * 1e3:.3f}  p90 {p90_s * 1e3:.3f}"
+
+
 def advise(summary: Summary) -> list[Advice]:
     """Apply every rule to ``summary``; return the tips that fire, most valuable first."""
     found = [a for rule in RULES if (a := rule(summary)) is not None]
@@ -160,9 +170,11 @@ class Report:
         s = self.summary
         ms = 1e3
         lines = [
-            f"speedups.profile_steps: {s.steps} steps",
-            f"  waiting for data   {s.mean_data_s * ms:9.3f} ms/step  ({s.data_fraction:.0%})",
-            f"  in the step        {s.mean_step_s * ms:9.3f} ms/step  ({1 - s.data_fraction:.0%})",
+            f"speedups.profile_steps: {s.steps} steps (mean, then median and p90, in ms)",
+            f"  waiting for data   {s.mean_data_s * ms:9.3f} ms/step  ({s.data_fraction:.0%})"
+            + _spread(s.median_data_s, s.p90_data_s),
+            f"  in the step        {s.mean_step_s * ms:9.3f} ms/step  ({1 - s.data_fraction:.0%})"
+            + _spread(s.median_step_s, s.p90_step_s),
         ]
         if s.device_busy_fraction is not None:
             lines.append(f"  GPU busy           {s.device_busy_fraction:9.0%} of each step")

@@ -21,41 +21,16 @@ import torch
 from torch import nn
 
 from speedups import _env, _validate
+from speedups._oom import is_out_of_memory
 from speedups._rng import get_rng_states, set_rng_states
 from speedups.errors import SpeedupsError
 
 __all__ = ["find_batch_size", "accumulation_plan", "AccumulationPlan"]
 
 _MODES = ("power", "binsearch")
-# Messages of the RuntimeError that the CPU allocator (and some backends) raise when memory runs out.
-_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "not enough memory", "out of memory")
-
-
-def _oom_types() -> tuple[type[BaseException], ...]:
-    found = []
-    for owner in (torch, torch.cuda):
-        cls = getattr(owner, "OutOfMemoryError", None)  # torch.OutOfMemoryError is newer than the CUDA one
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            found.append(cls)
-    return tuple(found)
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    """Return True when ``error`` means the allocator ran out of memory (CUDA, CPU or another backend).
-
-    Recognises ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` on older torch) and the
-    ``RuntimeError`` of the CPU allocator ("DefaultCPUAllocator: can't allocate memory", "not enough
-    memory") and of other backends ("... out of memory").
-
-    Example:
-        >>> _is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
-        True
-        >>> _is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-        False
-    """
-    if isinstance(error, _oom_types()):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
+# Without max_size the search stops here: a step that runs at 2**24 samples per batch without running out of
+# memory almost surely ignores its batch_size (or memory is not what limits it), and doubling would not end.
+_UNBOUNDED_LIMIT = 2**24
 
 
 # ------------------------------------------------------------------------------------------ state snapshot
@@ -196,6 +171,8 @@ def find_batch_size(
     ``step(batch_size)`` runs one whole training step as your loop does (forward, backward,
     ``optimizer.step()``, so optimizer state is counted). Sizes double from ``start``; on out-of-memory the
     search backs off (``"power"``: the last success; ``"binsearch"``: then bisects). The result always ran.
+    Out of memory is one shared rule: ``torch.OutOfMemoryError``, the allocators' ``RuntimeError`` texts and
+    cuDNN's large-batch ``CUDNN_STATUS_NOT_SUPPORTED``, as Lightning's and Accelerate's finders count them.
     Every probe's effects are undone bitwise (model and optimizer state, buffers, train flags,
     ``requires_grad``, ``.grad``, global RNG states), from a snapshot in host memory. It does not see memory
     that grows over steps or other input shapes: leave headroom. On the CPU pass ``max_size`` (the OS may
@@ -215,7 +192,8 @@ def find_batch_size(
 
     Raises:
         TypeError, ValueError: bad arguments (checked before anything runs).
-        SpeedupsError: even batch size 1 runs out of memory.
+        SpeedupsError: even batch size 1 runs out of memory; or, without ``max_size``, the step still fits at
+            2**24 samples (its memory does not grow with the size): the search stops instead of doubling on.
         Exception: any error of ``step`` that is not out-of-memory, re-raised unchanged (state restored).
 
     Example:
@@ -240,7 +218,7 @@ def find_batch_size(
             try:
                 step(size)
             except BaseException as err:
-                if not _is_out_of_memory(err):
+                if not is_out_of_memory(err):
                     raise
                 failed = True  # leave the except block first: the traceback holds the step's tensors
         if failed:
@@ -255,6 +233,14 @@ def find_batch_size(
             last_ok = size
             if max_size is not None and size >= max_size:
                 break
+            if max_size is None and size >= _UNBOUNDED_LIMIT:
+                raise SpeedupsError(
+                    f"find_batch_size(step, model, optimizer, start={start!r}, max_size=None): the step ran "
+                    f"at every size up to {size} without running out of memory, so its memory does not grow "
+                    f"with batch_size (does step build a batch of batch_size samples?), and the search "
+                    f"would never end. Make step use its argument, or give the largest size you want: "
+                    f"find_batch_size(step, model, optimizer, max_size=4096)."
+                )
             size = size * 2 if max_size is None else min(size * 2, max_size)
         else:
             first_fail = size

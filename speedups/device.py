@@ -7,13 +7,14 @@ module, and every object with a ``.to`` method) to this process's device, so a t
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, TypeVar
 
 import torch
 
 from speedups import _env
 from speedups._tree import tree_map
-from speedups.errors import SpeedupsError
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["to_device", "default_device", "resolve_device"]
 
@@ -126,11 +127,13 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     """Move every tensor and module inside ``obj`` to ``device``, keeping the nesting and container types.
 
     Walks any nesting of dict, OrderedDict, defaultdict (its ``default_factory`` kept), other ``Mapping``
-    and ``UserDict`` subclasses, list, tuple, namedtuple and dataclass instances (frozen ones and
-    ``field(init=False)`` values included). Tensors move with ``Tensor.to``; modules move in place with
-    ``nn.Module.to`` (as torch does); any other object with a ``.to`` method gets ``obj.to(device)``, also
-    when it is a container itself (``PackedSequence``, a tokenizer's batch), as it knows how to move itself;
-    everything else (strings, numbers, None) is returned as is. ``obj`` itself is never modified: every
+    and ``UserDict`` subclasses, list, tuple, namedtuple, deque, set, frozenset and dataclass instances
+    (frozen ones and ``field(init=False)`` values included). Tensors move with ``Tensor.to``; modules move
+    in place with ``nn.Module.to`` (as torch does); any other object with a ``.to`` method gets
+    ``obj.to(device)``, also when it is a container itself (``PackedSequence``, a tokenizer's batch);
+    everything else (strings, numbers, None) is returned as is; an object of another class that holds
+    tensors in its attributes is returned as is with one :class:`~speedups.SpeedupsWarning` per class
+    naming it (make it a dataclass, or give it a ``.to``). ``obj`` itself is never modified: every
     container is rebuilt. Tensors keep their dtype and shape.
 
     Sync points: none. A copy to a CUDA device is asynchronous when ``non_blocking`` is True, which is safe
@@ -208,4 +211,36 @@ class LeafMover:
         to = getattr(leaf, "to", None)
         if callable(to):
             return to(self.target)
+        if not isinstance(leaf, _PLAIN_LEAVES):
+            _warn_if_it_holds_tensors(leaf, self.target)
         return leaf
+
+
+_PLAIN_LEAVES = (int, float, complex, bool, type(None), range, slice)
+_warned_types: set[type] = set()  # classes already named in a warning (one warning per class)
+
+
+def _warn_if_it_holds_tensors(leaf: Any, target: torch.device) -> None:
+    """Warn once per class when an object we cannot walk or move holds tensors in its attributes."""
+    cls = type(leaf)
+    if cls in _warned_types:
+        return
+    try:
+        attributes = dict(vars(leaf))
+    except TypeError:  # no __dict__: look at __slots__
+        names = [n for c in cls.__mro__ for n in getattr(c, "__slots__", ()) if isinstance(n, str)]
+        attributes = {n: getattr(leaf, n, None) for n in names}
+    holding = [name for name, value in attributes.items() if isinstance(value, torch.Tensor)]
+    if not holding:
+        return
+    _warned_types.add(cls)
+    if _env.rank() == 0:
+        warnings.warn(
+            f"to_device(<{cls.__qualname__}>, {str(target)!r}): a {cls.__qualname__} holds tensors "
+            f"({', '.join(holding[:4])}) but is not a container to_device walks (dict, list, tuple, "
+            f"namedtuple, deque, set, dataclass) and has no .to() method, so its tensors were left where "
+            f"they are. Make the class a @dataclasses.dataclass, or give it "
+            f"`def to(self, device): return {cls.__name__}(...moved fields...)`.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )

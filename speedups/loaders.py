@@ -108,6 +108,26 @@ def dataloader_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(DataLoader.__init__).parameters)
 
 
+def has_per_epoch_state(dataset: object, depth: int = 4) -> bool:
+    """Whether ``dataset``, or one it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), has set_epoch.
+
+    ``set_epoch`` is the convention (Hugging Face datasets, WebDataset, torchdata, Lightning, Accelerate) of a
+    dataset whose samples depend on the epoch; the main process calls it, so persistent workers, which hold
+    the copy made when they started, would never see it.
+    """
+    if callable(getattr(dataset, "set_epoch", None)):
+        return True
+    if depth == 0:
+        return False
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and inner is not dataset and has_per_epoch_state(inner, depth - 1):
+        return True
+    many = getattr(dataset, "datasets", None)
+    if isinstance(many, (list, tuple)):
+        return any(d is not dataset and has_per_epoch_state(d, depth - 1) for d in many[:64])
+    return False
+
+
 def _default_prefetch(num_workers: int) -> int:
     """Batches each worker loads ahead: at least 2 (torch's default), and at least 4 in flight in total."""
     return max(2, math.ceil(4 / num_workers))
@@ -129,6 +149,8 @@ def fast_loader(
     CPU this process may use, shared among the node's processes (``LOCAL_WORLD_SIZE``), or 0 for an
     ``IterableDataset`` (one :class:`~speedups.SpeedupsWarning`: each worker would replay the stream); with
     workers, ``persistent_workers=True`` and a ``prefetch_factor`` that keeps 4 batches in flight;
+    persistent workers stay off for a dataset with ``set_epoch`` (or wrapping one), since workers started
+    once would keep its epoch-0 state: they restart each epoch, as a plain ``DataLoader``'s do;
     ``pin_memory`` only with CUDA; a ``worker_init_fn`` that seeds ``numpy`` and ``random`` in each worker
     from torch's per-worker seed and then calls yours, so every worker and epoch draws its own numbers,
     reproducibly from ``seed`` or ``generator``. Any other keyword goes to ``DataLoader`` and wins. It does
@@ -212,7 +234,9 @@ def fast_loader(
         _seed_worker if user_init is None else functools.partial(_seed_worker, init_fn=user_init)
     )
     if workers > 0:
-        kwargs.setdefault("persistent_workers", True)
+        # A dataset whose state changes per epoch (set_epoch) must reach fresh workers each epoch, as it does
+        # with a plain DataLoader; persistent workers would silently keep their epoch-0 copy of it.
+        kwargs.setdefault("persistent_workers", not has_per_epoch_state(dataset))
         kwargs.setdefault("prefetch_factor", _default_prefetch(workers))
         method = start_method(kwargs.get("multiprocessing_context"))
         bad = unpicklable_for_workers(method, dataset, kwargs.get("collate_fn"), user_init)

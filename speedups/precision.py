@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 import wrapt
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from speedups import _env, _step, _validate
 from speedups._hardware import cpu_has_native_bf16
@@ -32,13 +33,33 @@ _NAMES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-_ALLOWED = "'auto', 'bf16', 'fp16', torch.bfloat16 or torch.float16"
+_OFF = ("fp32", "float32")  # the same as enabled=False: full precision, a true no-op
+_ALLOWED = "'auto', 'bf16', 'fp16', torch.bfloat16 or torch.float16 ('fp32': off)"
 
 # The open entries of this thread / task, innermost last: (the mixed_precision object, its autocast, token).
 # A ContextVar rather than state on the object, so one object can nest and serve several threads.
 _ENTRIES: contextvars.ContextVar[tuple[list[Any], ...]] = contextvars.ContextVar(
     "speedups_mixed_precision_entries", default=()
 )
+
+
+_step_hook: list[Any] = []  # the process-wide optimizer step post-hook, registered once (see below)
+
+
+def _drop_stale_weight_casts(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer step taken while one of our autocast contexts is open: drop autocast's cache.
+
+    ``torch.autocast`` caches the low-precision copy of each weight it casts and clears the cache only when
+    the outermost autocast exits; an optimizer step inside the block would leave later forwards on copies
+    of the old weights. One ContextVar read per optimizer step (none per micro-step); a no-op outside ours.
+    """
+    if _ENTRIES.get():
+        torch.clear_autocast_cache()
+
+
+def _watch_optimizer_steps() -> None:
+    if not _step_hook:  # once per process: every optimizer, hand-written steps too
+        _step_hook.append(register_optimizer_step_post_hook(_drop_stale_weight_casts))
 
 
 def _known_device_types() -> list[str]:
@@ -59,12 +80,18 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
     once per optimizer step before clipping, and skips the optimizer and scheduler steps on overflow.
     Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
 
+    A whole loop may run inside one ``with``: after every optimizer step taken while the context is open
+    (ours, ``@accumulate``'s or a hand-written ``optimizer.step()``), autocast's cache of low-precision weight
+    copies is cleared, so the next forward casts the updated weights (torch alone keeps the stale copies
+    until the outermost autocast exits). A weight changed in place without an optimizer inside the block
+    needs ``torch.clear_autocast_cache()``.
+
     Sync points: none in the context; fp16 :meth:`step` makes ``GradScaler.step``'s one inf/NaN check.
     From: Micikevicius et al., "Mixed Precision Training" (2018); PyTorch's AMP documentation.
 
     Args:
         dtype: ``"auto"``, ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``,
-            ``torch.bfloat16`` or ``torch.float16``.
+            ``torch.bfloat16`` or ``torch.float16``; ``"fp32"``/``"float32"``: off (as ``enabled=False``).
         device_type: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``, ...); None: the type of
             this process's default device.
         init_scale: the GradScaler's first loss scale (fp16 only); a lower one skips fewer first steps.
@@ -96,6 +123,8 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         with _validate.arguments(f"mixed_precision({dtype!r})"):
             _validate.flag(enabled, "enabled")
             _validate.real(init_scale, "init_scale", positive=True, example="2.0**16")
+        if isinstance(dtype, str) and dtype.lower() in _OFF:
+            enabled = False  # full precision asked for by name: the documented no-op
         self.device_type = _check_device_type(device_type, dtype, enabled=enabled)
         self.dtype: torch.dtype | None = None
         """The autocast dtype, or None when the object is a no-op (fp32)."""
@@ -103,6 +132,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         """The fp16 loss scaler (None for bf16 and fp32)."""
         self.last_step_skipped = False
         """Whether the last :meth:`step` skipped the optimizer step (fp16 overflow). No new sync to read."""
+        self._scaled_backwards = 0  # fp16: amp.backward calls since the last amp.step
         self.found_inf: torch.Tensor | None = None
         """After :meth:`step` with fp16: a 0-dim bool device tensor, True if the gradients held inf/NaN."""
         wanted = _check_dtype(dtype, self.device_type)
@@ -122,6 +152,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         else:
             _check_supported(dtype, wanted, self.device_type)
         self.dtype = wanted
+        _watch_optimizer_steps()
         if wanted == torch.float16:
             self.scaler = torch.amp.GradScaler(self.device_type, init_scale=float(init_scale))
 
@@ -205,6 +236,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 "itself. Return the loss from the step instead."
             )
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        self._scaled_backwards += 1
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
         """Unscale once (fp16), clip to ``max_grad_norm`` if given, then step the optimizer or skip it.
@@ -221,6 +253,8 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``max_grad_norm`` is not a number.
             ValueError: ``max_grad_norm`` is not positive and finite.
+            SpeedupsError: fp16, and no :meth:`backward` since the last step (``loss.backward()`` was called
+                instead, so the gradients are not scaled; nothing is changed).
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -228,6 +262,14 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 f"torch.optim.Optimizer. Pass the optimizer, e.g. amp.step(optimizer)."
             )
         max_grad_norm = _step.check_max_grad_norm(max_grad_norm, "mixed_precision.step(optimizer, ")
+        if self.scaler is not None and not self._scaled_backwards:
+            raise SpeedupsError(
+                "mixed_precision('fp16').step(optimizer): no amp.backward(loss) since the last step, so the "
+                "gradients were not made by the GradScaler (a plain loss.backward()?) and unscaling would "
+                "shrink them. fp16 needs the scaled backward: replace `loss.backward()` with "
+                "`amp.backward(loss)`, then call amp.step(optimizer)."
+            )
+        self._scaled_backwards = 0
         stepped, probe = _step.apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
@@ -303,6 +345,8 @@ def _check_dtype(dtype: object, device_type: str) -> torch.dtype | None:
             return None
         if dtype.lower() in _NAMES:
             return _NAMES[dtype.lower()]
+        if dtype.lower() in _OFF:
+            return None
         raise ValueError(f"{said}: unknown dtype. Allowed: {_ALLOWED}. E.g. mixed_precision('bf16').")
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.bfloat16, torch.float16):

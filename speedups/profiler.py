@@ -20,7 +20,7 @@ import wrapt
 
 from speedups import _validate
 from speedups._hardware import cpu_has_native_bf16, usable_cpus
-from speedups._measure import Sampling, peak_memory, samples_in
+from speedups._measure import LoaderBatchSizes, Sampling, p90, peak_memory, samples_in
 from speedups._plot import draw_steps
 from speedups.advice import Advice, Report, Summary, advise
 from speedups.errors import SpeedupsError
@@ -47,7 +47,8 @@ class StepRecord:
         data_s: seconds spent waiting for this step's batch (``prof.iter``), or, for a step recorded only by
             the decorator, the seconds between the end of the previous step and the start of this one.
         step_s: seconds of host wall time in the step itself.
-        samples: batch size (leading dimension of the first tensor of the batch), None if unknown.
+        samples: samples in the batch: ``batch_size=`` if given, else the DataLoader's batch size, else the
+            leading dimension of the first tensor of the batch; None if unknown.
         sampled: whether syncs were counted on this step (then slower, so left out of the means).
         cache_frees: CUDA memory blocks returned to the driver during a sampled step.
         cpu_bf16_matmuls: bf16 matrix ops seen on the CPU during a sampled step.
@@ -77,7 +78,9 @@ class _ProfiledFunction(wrapt.FunctionWrapper):
         return self._self_profiler
 
 
-_DEFAULTS: dict[str, Any] = dict(warmup=1, sample_every=None, debug=False, model=None, enabled=True)
+_DEFAULTS: dict[str, Any] = dict(
+    warmup=1, sample_every=None, debug=False, model=None, batch_size=None, enabled=True
+)
 
 
 def _call_as_written(given: dict[str, Any]) -> str:
@@ -114,14 +117,19 @@ class StepProfiler:
         sample_every: int | None = None,
         debug: bool = False,
         model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
         enabled: bool = True,
     ) -> None:
-        given = dict(warmup=warmup, sample_every=sample_every, debug=debug, model=model, enabled=enabled)
+        given = dict(
+            warmup=warmup, sample_every=sample_every, debug=debug, model=model, batch_size=batch_size,
+            enabled=enabled,
+        )  # fmt: skip
         with _validate.arguments(_call_as_written(given)):
             _validate.integer(warmup, "warmup", minimum=0, example="1")
             _validate.integer(sample_every, "sample_every", minimum=1, none_ok=True, example="50")
             _validate.flag(debug, "debug")
             _validate.flag(enabled, "enabled")
+            _validate.integer(batch_size, "batch_size", minimum=1, none_ok=True, example="64")
             _validate.instance(
                 model, torch.nn.Module, "model", what="an nn.Module (the DDP-wrapped model)", none_ok=True
             )
@@ -132,6 +140,8 @@ class StepProfiler:
         self._last_plain_s: float | None = None  # the latest unsampled step's time
         self.debug = debug
         self.model = model
+        self.batch_size = batch_size
+        self._entered = False
         self.steps: list[StepRecord] = []
         """Every recorded step, warm-up steps included."""
         self._start: float | None = None
@@ -142,11 +152,13 @@ class StepProfiler:
 
     # ------------------------------------------------------------------------ context manager / decorator
     def __enter__(self) -> StepProfiler:
-        if self._mistakes is not None and self._mistakes.active:
+        if self._entered or (self._mistakes is not None and self._mistakes.active):
             raise SpeedupsError(
-                "profile_steps(): this profiler is already entered. Use one `with` block per profiler, or "
+                "profile_steps(): this profiler is already entered (`with prof:` inside `with prof:`), which "
+                "would restart its clock and mix two loops' steps. Use one `with` block per profiler, or "
                 "make a new one: `with profile_steps() as prof:`."
             )
+        self._entered = True
         if self.enabled:
             self._start = time.perf_counter()
             self._last_end = self._start
@@ -155,6 +167,7 @@ class StepProfiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._entered = False
         if self._mistakes is not None:
             self._mistakes.stop()
 
@@ -180,7 +193,8 @@ class StepProfiler:
                 finally:
                     open_record.claimed_s += time.perf_counter() - start
             last = self._last_end if self._last_end is not None else start
-            record, sampling = self._begin(start - last, samples_in((args, kwargs)), start)
+            size = self.batch_size if self.batch_size is not None else samples_in((args, kwargs))
+            record, sampling = self._begin(start - last, size, start)
             try:
                 return wrapped(*args, **kwargs)
             finally:
@@ -213,6 +227,7 @@ class StepProfiler:
             self._loader_workers = iterable.num_workers
         if self._start is None:
             self._start = time.perf_counter()
+        sizes = None if self.batch_size is not None else LoaderBatchSizes.make(iterable)
         first = True
         while True:
             t0 = time.perf_counter()
@@ -225,7 +240,11 @@ class StepProfiler:
                 first = False
                 if self._mistakes is not None:
                     self._mistakes.new_pass(iterable)
-            record, sampling = self._begin(t1 - t0, samples_in(batch), t1)
+            if self.batch_size is not None:
+                size: int | None = self.batch_size
+            else:
+                size = sizes.next() if sizes is not None else samples_in(batch)
+            record, sampling = self._begin(t1 - t0, size, t1)
             self._open = record
             try:
                 yield batch
@@ -300,8 +319,8 @@ class StepProfiler:
             if r._events is not None and r.device_s is None:
                 r._events.end.synchronize()
                 r.device_s = r._events.start.elapsed_time(r._events.end) / 1000.0
-        mean_data = statistics.fmean(r.data_s for r in timed)
-        mean_step = statistics.fmean(r.step_s for r in timed)
+        data_times, step_times = [r.data_s for r in timed], [r.step_s for r in timed]
+        mean_data, mean_step = statistics.fmean(data_times), statistics.fmean(step_times)
         total = mean_data + mean_step
         sampled = [r for r in self.steps if r.syncs is not None]
         sizes = [r.samples for r in timed if r.samples is not None]
@@ -311,6 +330,10 @@ class StepProfiler:
             steps=len(self.steps),
             mean_data_s=mean_data,
             mean_step_s=mean_step,
+            median_data_s=statistics.median(data_times),
+            median_step_s=statistics.median(step_times),
+            p90_data_s=p90(data_times),
+            p90_step_s=p90(step_times),
             data_fraction=mean_data / total if total > 0 else 0.0,
             syncs_per_step=statistics.fmean(r.syncs or 0 for r in sampled) if sampled else None,
             sampled_steps=len(sampled),
@@ -360,6 +383,7 @@ def profile_steps(
     sample_every: int | None = None,
     debug: bool = False,
     model: torch.nn.Module | None = None,
+    batch_size: int | None = None,
     enabled: bool = True,
 ) -> Any:
     """Profile the steps of a training loop and advise which speedups tip would help.
@@ -382,6 +406,8 @@ def profile_steps(
             Sampled steps are slower and left out of the means; ``debug=True`` samples every step.
         debug: also run the mistake detectors (see :func:`speedups.check`); slower, for a few hundred steps.
         model: the (DDP-wrapped) model, for the ``no_sync`` detector in debug mode.
+        batch_size: samples per step, for the throughput. None: the ``DataLoader``'s ``batch_size`` (short
+            last batch included), else the leading dimension of the batch's first tensor.
         enabled: False makes every part a no-op: ``iter`` returns the plain iterator, the decorator
             returns the function unchanged.
 
@@ -389,7 +415,8 @@ def profile_steps(
         A :class:`StepProfiler` (a context manager and a decorator), or the decorated ``fn``.
 
     Raises:
-        ValueError: ``warmup`` < 0 or ``sample_every`` < 1.
+        ValueError: ``warmup`` < 0, ``sample_every`` < 1 or ``batch_size`` < 1.
+        SpeedupsError: a profiler entered again while it is open (``with prof:`` inside ``with prof:``).
         TypeError: ``warmup`` or ``sample_every`` not an int; ``debug`` or ``enabled`` not a bool; ``model``
             not a module; a class is decorated.
 
@@ -401,6 +428,7 @@ def profile_steps(
         (3, 4)
     """
     profiler = StepProfiler(
-        warmup=warmup, sample_every=sample_every, debug=debug, model=model, enabled=enabled
-    )
+        warmup=warmup, sample_every=sample_every, debug=debug, model=model, batch_size=batch_size,
+        enabled=enabled,
+    )  # fmt: skip
     return profiler(fn) if fn is not None else profiler

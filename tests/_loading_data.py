@@ -67,3 +67,20 @@ class Stream(IterableDataset):
     def __iter__(self):
         for i in range(self.n):
             yield torch.tensor(float(i))
+
+
+class EpochItems(Dataset):
+    """Item i: (i, the epoch set in the main process by set_epoch): per-epoch dataset state."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, self.epoch])

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import speedups._measure as _measure
 import speedups.profiler as profiler
 from speedups import LossTracker, profile_steps
 from speedups.advice import Summary, advise
@@ -49,7 +50,9 @@ def test_clean_loop_gets_no_advice(model, monkeypatch) -> None:
     assert "No tip applies" in str(prof.report())
 
 
-def test_sync_bound_rule_fires_on_item_every_step(model) -> None:
+def test_sync_bound_rule_fires_on_item_every_step(model, monkeypatch) -> None:
+    """Reads of device tensors count; here the CPU stands in for the device (see the cuda test below)."""
+    monkeypatch.setattr(_measure, "reads_the_device", lambda t: isinstance(t, torch.Tensor))
     batches = [torch.randn(16, 8) for _ in range(12)]
     losses = []
     with profile_steps(sample_every=3) as prof:
@@ -59,6 +62,37 @@ def test_sync_bound_rule_fires_on_item_every_step(model) -> None:
     assert s.syncs_per_step == pytest.approx(1.0) and s.sampled_steps == 4
     assert "sync-bound" in rules_fired(prof)
     assert "LossTracker" in str(prof.report())
+
+
+def test_reads_of_cpu_tensors_are_not_syncs_and_a_cpu_run_gets_no_sync_advice(model) -> None:
+    """Adam's CPU step counter, a PackedSequence's batch_sizes and .item() on the CPU wait for no device."""
+    opt = torch.optim.Adam(model.parameters())
+    batches = [torch.randn(16, 8) for _ in range(12)]
+    with profile_steps(sample_every=3) as prof:
+        for x in prof.iter(batches):
+            opt.zero_grad()
+            busy_step(model, x, ms=1).item()
+            opt.step()  # reads its CPU step counter with .item()
+            packed = nn.utils.rnn.pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
+            packed.batch_sizes.tolist()
+    s = prof.summary()
+    assert s.syncs_per_step == 0.0 and s.sampled_steps == 4
+    assert "sync-bound" not in rules_fired(prof)
+
+
+@pytest.mark.cuda
+def test_sync_bound_rule_fires_on_a_gpu_item_every_step() -> None:
+    model = nn.Linear(8, 4).cuda()
+    opt = torch.optim.Adam(model.parameters())  # its step counter stays on the CPU: not a sync
+    with profile_steps(sample_every=3) as prof:
+        for x in prof.iter([torch.randn(16, 8, device="cuda") for _ in range(12)]):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            loss.item()
+    assert prof.summary().syncs_per_step == pytest.approx(1.0)
+    assert "sync-bound" in rules_fired(prof)
 
 
 def test_cpu_bf16_rule_fires_only_without_native_bf16(model, monkeypatch) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from speedups import AccumulationPlan, SpeedupsError, accumulation_plan, find_batch_size
-from speedups.batch_size import _is_out_of_memory
+from speedups._oom import is_out_of_memory as _is_out_of_memory
 
 # torch.OutOfMemoryError is newer (2.5) than torch.cuda.OutOfMemoryError, which is now an alias of it.
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -317,3 +317,49 @@ def test_accumulation_plan_matches_brute_force_and_is_fast_on_large_inputs() -> 
     assert (plan.micro_batch_size, plan.accumulation_steps) == (10**12, 1)
     plan = accumulation_plan(2 * 999_983 * 8, 1000, world_size=2)  # per rank 8 * a large prime
     assert plan.micro_batch_size * plan.accumulation_steps == 999_983 * 8 and plan.micro_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "make_error",
+    [
+        lambda: RuntimeError(
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+            "non-contiguous input."
+        ),
+        lambda: RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"),
+        lambda: OOM("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+    ids=["cudnn-not-supported", "cuda-runtime-text", "OutOfMemoryError"],
+)
+def test_cudnn_large_batch_and_old_cuda_texts_back_off(make_error) -> None:
+    model, opt = _setup(train=True, used=True)
+    before = copy.deepcopy(model.state_dict())
+    opt_before = copy.deepcopy(opt.state_dict())
+
+    def step(batch_size: int) -> None:
+        if batch_size > 96:
+            raise make_error()
+        model(torch.randn(batch_size, 6)).pow(2).mean().backward()
+        opt.step()
+
+    assert find_batch_size(step, model, opt, start=2, mode="binsearch") == 96
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert str(opt.state_dict()) == str(opt_before)
+
+
+def test_a_step_whose_memory_does_not_grow_stops_with_the_fix() -> None:
+    model, opt = _setup(train=True, used=False)
+    before = copy.deepcopy(model.state_dict())
+    fixed = torch.randn(2, 6)
+    sizes: list[int] = []
+
+    def step(batch_size: int) -> None:  # ignores its argument
+        sizes.append(batch_size)
+        model(fixed).sum().backward()
+        opt.step()
+
+    with pytest.raises(SpeedupsError, match=r"does not grow with batch_size.*max_size=4096"):
+        find_batch_size(step, model, opt)
+    assert sizes == [2**k for k in range(1, 25)]  # doubled up to 2**24, then stopped
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
+    assert find_batch_size(step, model, opt, max_size=2**30) == 2**30  # an explicit bound is honoured

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, UserDict, defaultdict
+import warnings
+from collections import OrderedDict, UserDict, defaultdict, deque
 from typing import NamedTuple
 
 import pytest
 import torch
 from torch import nn
 
-from speedups import SpeedupsError, default_device, resolve_device, to_device
+from speedups import SpeedupsError, SpeedupsWarning, default_device, resolve_device, to_device
 
 META = torch.device("meta")
 
@@ -212,3 +213,41 @@ def test_a_batch_that_contains_itself_is_a_clear_error() -> None:
     batch.append(batch)
     with pytest.raises(ValueError, match="contains itself"):
         to_device(batch, META)
+
+
+# ------------------------------------------------------------------------------ deques, sets, plain objects
+def test_deque_and_sets_are_walked_keeping_their_type_and_maxlen() -> None:
+    t = torch.arange(3.0)
+    batch = {"window": deque([t, {"y": t * 2}], maxlen=5), "ids": frozenset({"a"}), "s": {t}}
+    moved = to_device(batch, "meta")
+    window = moved["window"]
+    assert type(window) is deque and window.maxlen == 5 and window is not batch["window"]
+    assert window[0].device.type == "meta" and window[1]["y"].device.type == "meta"
+    assert moved["ids"] == frozenset({"a"}) and type(moved["ids"]) is frozenset
+    assert type(moved["s"]) is set and next(iter(moved["s"])).device.type == "meta"
+    assert batch["window"][0] is t and t.device.type == "cpu"  # the input is left alone
+    back = to_device(to_device(deque([t]), "cpu"), "cpu")
+    assert torch.equal(back[0], t)
+
+
+def test_a_plain_object_holding_tensors_warns_once_naming_its_class() -> None:
+    class Batch:  # a hand-written batch class: no .to(), not a dataclass
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+            self.name = "b"
+
+    class Slotted:
+        __slots__ = ("y",)
+
+        def __init__(self, y: torch.Tensor) -> None:
+            self.y = y
+
+    with pytest.warns(SpeedupsWarning, match=r"a test_a_plain.*Batch holds tensors \(x\).*dataclass") as rec:
+        out = to_device(Batch(torch.ones(2)), "meta")
+    assert len(rec) == 1 and out.x.device.type == "cpu"  # left where it was, and said so
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_device([Batch(torch.ones(2))], "meta")  # once per class
+        to_device({"n": 3, "f": 0.5, "none": None, "r": range(2)}, "meta")  # plain leaves: silent
+    with pytest.warns(SpeedupsWarning, match=r"Slotted holds tensors \(y\)"):
+        to_device({"b": Slotted(torch.ones(1))}, "meta")

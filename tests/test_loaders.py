@@ -8,11 +8,11 @@ import pickle
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from speedups import SpeedupsError, SpeedupsWarning, fast_loader
 from speedups.loaders import _seed_worker
-from tests._loading_data import SeedProbe, Squares, Stream, identity_collate, record_init
+from tests._loading_data import EpochItems, SeedProbe, Squares, Stream, identity_collate, record_init
 
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
 needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
@@ -208,3 +208,31 @@ def test_fast_loader_rejects_what_is_not_a_dataset(dataset) -> None:
 def test_fast_loader_checks_its_worker_init_fn() -> None:
     with pytest.raises(TypeError, match=r"worker_init_fn=5"):
         fast_loader(list(range(4)), 2, worker_init_fn=5)
+
+
+# ------------------------------------------------------------------------------------ per-epoch dataset state
+def _epochs_seen(loader: DataLoader, dataset: EpochItems, epochs: int = 3) -> list[list[list[int]]]:
+    seen = []
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch)
+        seen.append(sorted(row.tolist() for batch in loader for row in batch))
+    return seen
+
+
+@needs_fork
+def test_set_epoch_state_reaches_the_workers_as_with_a_plain_dataloader() -> None:
+    ds = EpochItems(8)
+    plain = _epochs_seen(DataLoader(ds, 4, num_workers=2, multiprocessing_context="fork"), ds)
+    assert [sorted({e for _, e in epoch}) for epoch in plain] == [[0], [1], [2]]  # the reference's view
+    loader = fast_loader(ds, 4, num_workers=2, multiprocessing_context="fork")
+    assert loader.persistent_workers is False
+    assert _epochs_seen(loader, ds) == plain
+
+
+def test_persistent_workers_stay_off_for_datasets_wrapping_one_with_set_epoch() -> None:
+    ds = EpochItems(8)
+    for wrapped in (ds, Subset(ds, [0, 1, 2]), ConcatDataset([Squares(4), Subset(ds, [1])])):
+        assert fast_loader(wrapped, 2, num_workers=2).persistent_workers is False
+    assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is True  # no per-epoch state
+    # An explicit choice wins, as with DataLoader itself (whose persistent workers behave the same).
+    assert fast_loader(ds, 2, num_workers=2, persistent_workers=True).persistent_workers is True

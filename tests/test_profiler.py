@@ -162,3 +162,71 @@ def test_plot_leaves_the_matplotlib_backend_alone(model, tmp_path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         matplotlib.use(before)
+
+
+# ------------------------------------------------------------------------ samples per step, spread, re-entry
+class _SequenceFirst(torch.utils.data.Dataset):
+    """Items of shape (time=7, features=8); the collate stacks them sequence-first: (7, batch, 8)."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((7, 8), float(i))
+
+
+def _time_major(items: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(items, dim=1)
+
+
+def test_samples_come_from_the_loaders_batch_size_not_dim_0() -> None:
+    loader = DataLoader(_SequenceFirst(), batch_size=4, collate_fn=_time_major)
+    assert next(iter(loader)).shape == (7, 4, 8)  # dim 0 is time
+    with profile_steps(warmup=0) as prof:
+        for _ in range(2):  # two passes: the short last batch of each is 2
+            for x in prof.iter(loader):
+                x.sum()
+    assert [r.samples for r in prof.steps] == [4, 4, 2, 4, 4, 2]
+    dropped = DataLoader(_SequenceFirst(), batch_size=4, collate_fn=_time_major, drop_last=True)
+    with profile_steps(warmup=0) as prof:
+        for x in prof.iter(dropped):
+            x.sum()
+    assert [r.samples for r in prof.steps] == [4, 4]
+
+
+def test_batch_size_argument_wins_for_plain_iterables_and_the_decorator(model) -> None:
+    batches = [torch.randn(7, 3, 8) for _ in range(3)]  # time-major, 3 samples each
+    with profile_steps(warmup=0, batch_size=3) as prof:
+        for x in prof.iter(batches):
+            model(x).sum()
+    assert [r.samples for r in prof.steps] == [3, 3, 3]
+    step = profile_steps(batch_size=3)(lambda x: model(x).sum())
+    step(batches[0])
+    assert step.profiler.steps[0].samples == 3
+    with pytest.raises(ValueError, match=r"profile_steps\(batch_size=0\).*batch_size"):
+        profile_steps(batch_size=0)
+
+
+def test_report_shows_median_and_p90_beside_the_mean(model) -> None:
+    with profile_steps(warmup=0, sample_every=1000) as prof:
+        for i, x in enumerate(prof.iter([torch.randn(4, 8)] * 12)):
+            busy_step(model, x, ms=8 if i == 11 else 1)  # one slow step: the mean moves, the median not
+    s = prof.summary()
+    timed = sorted(r.step_s for r in prof.steps if not r.sampled)
+    n = len(timed)
+    median = (timed[(n - 1) // 2] + timed[n // 2]) / 2
+    rank = 0.9 * (n - 1)  # numpy's default (linear) percentile
+    p90 = timed[int(rank)] + (timed[min(int(rank) + 1, n - 1)] - timed[int(rank)]) * (rank - int(rank))
+    assert s.median_step_s == pytest.approx(median, rel=1e-9)
+    assert s.p90_step_s == pytest.approx(p90, rel=1e-9)
+    assert s.median_step_s < s.mean_step_s  # the slow step pulls the mean only
+    text = str(prof.report())
+    assert f"median {s.median_step_s * 1e3:.3f}  p90 {s.p90_step_s * 1e3:.3f}" in text
+
+
+def test_entering_a_profiler_twice_is_refused() -> None:
+    prof = profile_steps()
+    with prof, pytest.raises(SpeedupsError, match=r"already entered.*profile_steps\(\) as prof"):
+        prof.__enter__()
+    with prof:  # after the block closed, it can be entered again
+        pass

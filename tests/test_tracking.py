@@ -57,7 +57,7 @@ def test_hundreds_of_updates_make_no_host_sync() -> None:
     assert counter.count == 0
     with SyncCounter() as counter:
         mean = tracker.compute()
-    assert counter.count <= 1  # .tolist() of the 3-slot state: one device-to-host read
+    assert counter.count == 1  # .tolist() of the 3-slot state: one device-to-host read
     assert mean == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
 
 
