@@ -1,6 +1,6 @@
 """The one rule for "this error means the allocator ran out of memory", shared by every tip that recovers.
 
-``find_batch_size`` probes with it; ``@accumulate(..., micro_batch_size="auto")`` halves its micro-batch on it.
+``find_batch_size`` probes with it; ``accumulate(..., micro_batch_size="auto")`` halves on it.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ import wrapt
 
 from speedups import _step
 from speedups._step_checks import check_arguments, check_result, check_state, guard_optimizer
+from speedups._step_output import as_loss_and_items, result_of
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.grad_sync import SyncKind, count_dtype, grad_sync_for
+from speedups.micro_batching import make_micro_batcher
 
 __all__ = ["accumulate"]
 
@@ -49,6 +51,8 @@ class _Accumulator:
         max_grad_norm: float | None,
         model: torch.nn.Module | None,
         skip_nonfinite: bool,
+        micro_batch_size: Any = None,
+        split: Any = None,
     ) -> None:
         self.every = every
         self.optimizer = optimizer
@@ -74,6 +78,7 @@ class _Accumulator:
         self.check_losses = skip_nonfinite and self.sync.kind is SyncKind.SINGLE
         self.updating = False  # True while this step runs its own optimizer update
         self.warned_hand_step = False
+        self.micro = make_micro_batcher(micro_batch_size, split, self.sync.kind, every)  # None: no split
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
@@ -92,6 +97,8 @@ class _Accumulator:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """The wrapt wrapper: one micro-step."""
+        if self.micro is not None:  # the call's batch split into micro-batches (speedups.micro_batching)
+            return self.micro(self, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
         ctx = self.sync.micro_step(boundary)
@@ -128,9 +135,7 @@ class _Accumulator:
             if work is not None:
                 work.wait()
             self._update(synced=True)
-        if n is None:
-            return detached
-        return detached, (n.detach() if isinstance(n, torch.Tensor) else n)
+        return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype
@@ -141,7 +146,7 @@ class _Accumulator:
             and not out.is_complex()
         ):
             return out, None
-        loss, n = check_result(out)
+        loss, n = check_result(as_loss_and_items(out))
         mode = _MEAN if n is None else _ITEMS
         if self.mode is None:
             self.mode = mode
@@ -288,6 +293,9 @@ class _StepAttributes:
     is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
     num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
     pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
+    micro_batch_size = property(
+        lambda self: getattr(self._acc().micro, "size", None), doc="Rows per micro-batch."
+    )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
 
@@ -359,6 +367,8 @@ def accumulate(
     max_grad_norm: float | None = None,
     model: torch.nn.Module | None = None,
     skip_nonfinite: bool = False,
+    micro_batch_size: int | str | None = None,
+    split: Callable[..., Any] | None = None,
     enabled: bool = True,
 ) -> Callable[[F], F]:
     """Turn a function that returns a micro-batch loss into a gradient-accumulation training step.
@@ -383,10 +393,14 @@ def accumulate(
         max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
         model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module.
         skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
+        micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
+            weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
+        split: ``split(args, kwargs, size) -> [(args, kwargs), ...]`` for batches the dim-0 rule cannot split.
         enabled: False steps on every call (``every`` taken as 1), for A/B comparisons.
 
     Returns:
-        A decorator. The step returns the detached 0-dim loss, or ``(loss.detach(), num_items)``.
+        A decorator. The step returns the detached 0-dim loss, ``(loss.detach(), num_items)``, or the
+        step's mapping ``{"loss": ..., "num_items": ..., **extras}`` with its tensors detached.
 
     Raises:
         TypeError, ValueError: a bad argument; at call time (before any gradient is touched), a result that
@@ -409,6 +423,7 @@ def accumulate(
     every, max_grad_norm = check_arguments(
         every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
     )
+    make_micro_batcher(micro_batch_size, split, grad_sync_for(model).kind, every)  # checked before decorating
 
     def decorator(fn: F) -> F:
         if isinstance(fn, type) or not callable(fn):
@@ -418,8 +433,9 @@ def accumulate(
                 f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
             )
         acc = _Accumulator(
-            every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite
-        )
+            every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite,
+            micro_batch_size, split,
+        )  # fmt: skip
         if enabled:  # a plain step on every call (enabled=False) owns no window to guard
             guard_optimizer(acc)
         return _Step(fn, acc)  # type: ignore[return-value]
