@@ -16,6 +16,7 @@ length of the retry, never in a mismatched collective, and no agreement collecti
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 from collections.abc import Callable, Mapping
@@ -128,7 +129,9 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> tupl
     Raises:
         ValueError: no tensor with a dim 0, or tensors whose dim 0 differ.
     """
-    batched = [t for t in _tensors((args, kwargs)) if t.dim() >= 1]
+    leaves = (*args, *kwargs.values())
+    flat = all(isinstance(x, torch.Tensor) or not _is_container(x) for x in leaves)  # no tree walks
+    batched = [t for t in (leaves if flat else _tensors((args, kwargs))) if _batched(t)]
     if not batched:
         raise ValueError(
             "accumulate(..., micro_batch_size=...): the call has no tensor with a batch dimension to split "
@@ -146,15 +149,33 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> tupl
         )
     if rows <= size:
         return rows, [(rows, args, kwargs)]
+    chunks = {id(t): t.split(size) for t in batched}  # views, one call per tensor
+    counts = [min(size, rows - start) for start in range(0, rows, size)]
+    if flat:
+        return rows, [
+            (
+                count,
+                tuple(chunks[id(a)][i] if _batched(a) else a for a in args),
+                {k: chunks[id(v)][i] if _batched(v) else v for k, v in kwargs.items()},
+            )
+            for i, count in enumerate(counts)
+        ]
     pieces: list[Piece] = []
-    for start in range(0, rows, size):
-        stop = min(start + size, rows)
+    for i, count in enumerate(counts):
 
-        def cut(x: Any, start: int = start, stop: int = stop) -> Any:
-            return x[start:stop] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x
+        def cut(x: Any, i: int = i) -> Any:
+            return chunks[id(x)][i] if _batched(x) else x
 
-        pieces.append((stop - start, tree_map(cut, args), tree_map(cut, kwargs)))
+        pieces.append((count, tree_map(cut, args), tree_map(cut, kwargs)))
     return rows, pieces
+
+
+def _batched(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 1
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (Mapping, list, tuple)) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
 
 
 def _custom_split(
@@ -245,7 +266,7 @@ class MicroBatcher:
         boundary = acc.pending + 1 >= acc.every
         acc.is_boundary = boundary
         ddp = acc.sync.kind is SyncKind.DDP
-        params = [p for g in acc.optimizer.param_groups for p in g["params"]]
+        params = [p for g in acc.optimizer.param_groups for p in g["params"]] if self.auto else []
         window = (acc.total_host, acc.total_device, acc.ref_n)  # undone when a try fails
         token = _step.current_step.set(acc)
         try:
@@ -295,7 +316,7 @@ class MicroBatcher:
         for i, (piece_rows, piece_args, piece_kwargs) in enumerate(pieces):
             out = wrapped(*piece_args, **piece_kwargs)
             loss, n = acc._parse(out)
-            detached = loss.detach().reshape(())
+            detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
             if n is None:  # a mean loss: the whole batch's mean weighs each micro-batch by its rows
                 if single:
                     weight = 1.0
@@ -307,15 +328,20 @@ class MicroBatcher:
                 else:
                     weight = piece_rows / rows
                 target = loss if weight == 1.0 and acc.every == 1 else loss * (weight * acc.inv_every)
-                part = detached if single else detached * weight
+                if single:
+                    total = detached
+                elif total is None:
+                    total = detached * weight
+                else:
+                    total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
             else:
                 if acc.pending == 0 and i == 0:
                     acc.ref_n = acc.sync.reference(n)
                 target = acc.sync.weigh(loss, n, acc.ref_n)
                 acc._add_items(n)
                 part = detached if single else detached * n
+                total = part if total is None else total + part
                 count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
-            total = part if total is None else total + part
             if acc.scaler is not None:
                 target = acc.scaler.scale(target)
             target.backward()
