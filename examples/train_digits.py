@@ -12,6 +12,8 @@ What speedups changes against the plain loop (each marked ``# speedups`` below):
 - ``LossTracker`` keeps the running loss on the device: no ``.item()`` sync on every step.
 - ``@accumulate(N, optimizer)`` runs backward and, every N micro-batches, the optimizer step: exactly the
   big batch (``--accumulate 4`` trains with batches of 4 x 64 in the memory of 64).
+- ``--micro-batch-size auto`` splits each batch into micro-batches that fit, found on out of memory while
+  training (``N`` splits into micro-batches of N rows): the same gradients as the whole batch.
 - ``mixed_precision()`` runs the forward pass in 16-bit autocast (``--precision auto`` picks what this device
   is fast at, and stays in fp32 with a warning where 16-bit would be slower; fp16 adds loss scaling).
 """
@@ -112,8 +114,13 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: this process's device)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--micro-batch-size", default=None, help='rows per forward/backward: an int, or "auto" (found on OOM)'
+    )
     parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
     args = parser.parse_args(argv)
+    micro = args.micro_batch_size
+    micro = int(micro) if micro is not None and micro.isdigit() else micro  # "auto" stays a string
 
     torch.manual_seed(args.seed)
     # speedups: None -> this process's device (cuda:LOCAL_RANK, else mps, else cpu)
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> float:
     precision = "auto" if args.precision == "fp32" else args.precision
     amp = mixed_precision(precision, device_type=device.type, enabled=args.precision != "fp32")
 
-    @accumulate(args.accumulate, optimizer)  # speedups: backward here, optimizer step every N calls
+    # speedups: backward here, optimizer step every N calls; micro_batch_size splits a batch that does not fit
+    @accumulate(args.accumulate, optimizer, micro_batch_size=micro)
     @amp  # speedups: with fp16, @accumulate scales the loss and unscales once per optimizer step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         return F.cross_entropy(model(x), y), len(y)  # mean loss of the micro-batch, and its sample count
@@ -148,6 +156,8 @@ def main(argv: list[str] | None = None) -> float:
             loss, n = train_step(x, y)  # detached loss, on the device
             tracker.update(loss, n)  # speedups: no sync here
             seen += len(y)
+            if step == 0 and epoch == 0 and micro is not None:
+                print(f"micro_batch_size={micro!r}: {train_step.micro_batch_size} rows per micro-batch now")
             if step % 10 == 0:  # reading the tracker is one sync: do it now and then, not every step
                 rate = seen / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{tracker:.4f}", samples_per_s=f"{rate:.0f}")

@@ -26,9 +26,11 @@ from speedups._step_checks import (
     refuse_reentry,
     warn_skipped,
 )
+from speedups._step_output import as_loss_and_items, result_of
 from speedups._zero_items import GradMask, keep_of
 from speedups.errors import SpeedupsError
 from speedups.grad_sync import SyncKind, count_dtype, grad_sync_for
+from speedups.micro_batching import make_micro_batcher
 
 __all__ = ["accumulate"]
 
@@ -57,6 +59,8 @@ class _Accumulator:
         max_grad_norm: float | None,
         model: torch.nn.Module | None,
         skip_nonfinite: bool,
+        micro_batch_size: Any = None,
+        split: Any = None,
     ) -> None:
         self.every = every
         self.optimizer = optimizer
@@ -84,6 +88,7 @@ class _Accumulator:
         self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see speedups._zero_items)
         self.host_items = False  # this rank's open window counted items > 0 given as Python numbers
         self.warned_hand_step = False
+        self.micro = make_micro_batcher(micro_batch_size, split, self.sync.kind, every)  # None: no split
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
@@ -104,6 +109,8 @@ class _Accumulator:
         """The wrapt wrapper: one micro-step."""
         if _step.current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
+        if self.micro is not None:  # the call's batch split into micro-batches (speedups.micro_batching)
+            return self.micro(self, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
         ctx = self.sync.micro_step(boundary)
@@ -145,9 +152,7 @@ class _Accumulator:
                 work.wait()
             self.sync.before_update(self.optimizer)
             self._update(synced=True)
-        if n is None:
-            return detached
-        return detached, (n.detach() if isinstance(n, torch.Tensor) else n)
+        return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype
@@ -158,7 +163,7 @@ class _Accumulator:
             and not out.is_complex()
         ):
             return out, None
-        loss, n = check_result(out)
+        loss, n = check_result(as_loss_and_items(out))
         mode = _MEAN if n is None else _ITEMS
         if self.mode is None:
             self.mode = mode
@@ -309,6 +314,9 @@ class _StepAttributes:
     is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
     num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
     pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
+    micro_batch_size = property(
+        lambda self: getattr(self._acc().micro, "size", None), doc="Rows per micro-batch."
+    )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
 
@@ -381,6 +389,8 @@ def accumulate(
     max_grad_norm: float | None = None,
     model: torch.nn.Module | None = None,
     skip_nonfinite: bool = False,
+    micro_batch_size: int | str | None = None,
+    split: Callable[..., Any] | None = None,
     enabled: bool = True,
 ) -> Callable[[F], F]:
     """Turn a function that returns a micro-batch loss into a gradient-accumulation training step.
@@ -406,10 +416,14 @@ def accumulate(
         max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
         model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module.
         skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
+        micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
+            weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
+        split: ``split(args, kwargs, size) -> [(args, kwargs), ...]`` for batches the dim-0 rule cannot split.
         enabled: False steps on every call (``every`` taken as 1), for A/B comparisons.
 
     Returns:
-        A decorator. The step returns the detached 0-dim loss, or ``(loss.detach(), num_items)``.
+        A decorator. The step returns the detached 0-dim loss, ``(loss.detach(), num_items)``, or the
+        step's mapping ``{"loss": ..., "num_items": ..., **extras}`` with its tensors detached.
 
     Raises:
         TypeError, ValueError: a bad argument; at call time (before any gradient is touched), a result that
@@ -432,6 +446,7 @@ def accumulate(
     every, max_grad_norm = check_arguments(
         every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
     )
+    make_micro_batcher(micro_batch_size, split, grad_sync_for(model).kind, every)  # checked before decorating
 
     def decorator(fn: F) -> F:
         if isinstance(fn, type) or not callable(fn):
@@ -441,8 +456,9 @@ def accumulate(
                 f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
             )
         acc = _Accumulator(
-            every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite
-        )
+            every if enabled else 1, optimizer, scheduler, max_grad_norm, model, skip_nonfinite,
+            micro_batch_size, split,
+        )  # fmt: skip
         if enabled:  # a plain step on every call (enabled=False) owns no window to guard
             guard_optimizer(acc)
         return _Step(fn, acc)  # type: ignore[return-value]

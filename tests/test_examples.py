@@ -39,6 +39,23 @@ def test_train_digits_with_accumulation_trains_one_epoch() -> None:
     assert match and float(match.group(1)) > 0.5, out.stdout  # one epoch with half the optimizer steps
 
 
+def test_train_digits_with_auto_micro_batches_trains_one_epoch() -> None:
+    args = ("--epochs", "1", "--device", "cpu", "--seed", "1", "--accumulate", "2", "--micro-batch-size")
+    auto = run_example("examples/train_digits.py", *args, "auto")
+    fixed = run_example("examples/train_digits.py", *args, "16")
+    plain = run_example("examples/train_digits.py", *args[:-1])
+    for out in (auto, fixed, plain):
+        assert out.returncode == 0, out.stderr
+        assert "Warning" not in out.stderr, out.stderr
+    assert "micro_batch_size='auto': None rows" in auto.stdout  # the whole batch fits on this machine
+    assert "micro_batch_size=16: 16 rows" in fixed.stdout
+    accuracy = [
+        float(re.fullmatch(r"test_accuracy=(\d\.\d{4})", o.stdout.split()[-1]).group(1))
+        for o in (auto, fixed, plain)
+    ]
+    assert accuracy[0] == accuracy[2] and abs(accuracy[1] - accuracy[2]) < 0.02, accuracy  # same training
+
+
 def test_train_digits_mnist_without_files_explains_how_to_get_them(tmp_path: Path) -> None:
     out = run_example("examples/train_digits.py", "--dataset", "mnist", "--data-root", str(tmp_path))
     assert out.returncode != 0
