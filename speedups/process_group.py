@@ -28,7 +28,7 @@ import torch
 import wrapt
 from torch import nn
 
-from speedups import _env, _validate
+from speedups import _env, _rendezvous, _validate
 from speedups.device import default_device
 from speedups.errors import SpeedupsError
 
@@ -47,22 +47,33 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 # ---------------------------------------------------------------------------------------- process group
-def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+def init_distributed(
+    *,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    rendezvous_timeout: float = _rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT_S,
+) -> bool:
     """Initialise the default process group from the environment, once; return whether one is running.
 
     Reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or SLURM's
     (``SLURM_PROCID``, ``SLURM_NTASKS``, the first host of ``SLURM_JOB_NODELIST`` as the master address,
-    ``MASTER_PORT`` or 29500 as the port). Nothing is written to ``os.environ``: the address goes to
-    ``init_process_group`` as ``init_method="tcp://host:port"`` with the rank and world size.
-    With CUDA the backend is nccl and the current CUDA device is set to ``cuda:LOCAL_RANK`` (never the
-    global rank); otherwise gloo. A world size of 1 (no launcher) initialises nothing and returns False;
-    an already initialised process group is left as it is and returns True.
+    ``MASTER_PORT`` or 29500 as the port) when ``srun`` started the process. Nothing is written to
+    ``os.environ``. With CUDA the backend is nccl and the current CUDA device is set to this process's device
+    (``cuda:LOCAL_RANK`` under torchrun, never the global rank; see :func:`~speedups.default_device`);
+    otherwise gloo. A world size of 1 (no launcher; SLURM variables without srun, with one warning)
+    initialises nothing and returns False; an already initialised process group is left as it is.
+
+    Joining is separate from the collectives: every rank must join within ``rendezvous_timeout`` (a rank
+    still waiting after 10 s says so on stderr), else the call fails naming ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and how many processes joined. ``timeout`` then applies to
+    each collective.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or None (nccl with CUDA, gloo otherwise).
         timeout: seconds a collective waits for a peer before failing (default 1800), so a dead peer ends
             the job instead of hanging it. Raise it if rank 0 alone does long work (a huge checkpoint)
             between collectives.
+        rendezvous_timeout: seconds all processes may take to join (default 300).
 
     Returns:
         True when a process group with more than one process is initialised.
@@ -70,15 +81,20 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
     Raises:
         TypeError: ``timeout`` is not a number, or ``backend`` is not a string or None.
         ValueError: ``timeout`` is not positive and finite.
-        SpeedupsError: the environment contradicts itself (``RANK >= WORLD_SIZE``, ...), or ``LOCAL_RANK``
-            names a GPU this machine does not have.
+        SpeedupsError: the environment contradicts itself (``RANK >= WORLD_SIZE``, ...), ``LOCAL_RANK``
+            names a GPU this machine does not have, or the rendezvous did not complete in time.
 
     Example:
         >>> init_distributed()  # a plain process: nothing to do
         False
     """
-    with _validate.arguments(f"init_distributed(backend={backend!r}, timeout={timeout!r})"):
+    said = (
+        f"init_distributed(backend={backend!r}, timeout={timeout!r}, "
+        f"rendezvous_timeout={rendezvous_timeout!r})"
+    )
+    with _validate.arguments(said):
         _validate.real(timeout, "timeout", positive=True, example="1800 (seconds)")
+        _validate.real(rendezvous_timeout, "rendezvous_timeout", positive=True, example="300 (seconds)")
         _validate.instance(backend, str, "backend", what="'nccl', 'gloo'", none_ok=True)
     dist = torch.distributed
     if _env.pg_ready():
@@ -95,28 +111,33 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
         torch.cuda.set_device(device)
     # torchrun (MASTER_ADDR and MASTER_PORT set): env://, which joins torchrun's own store. SLURM alone: the
     # first node of the job, passed explicitly (no env writes).
-    init_method = None
+    url = "env://"
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        init_method = f"tcp://{_env.master_addr()}:{_env.master_port()}"
-    wait = timedelta(seconds=float(timeout))
-    common: dict[str, Any] = {
-        "backend": backend,
-        "rank": here.rank,
-        "world_size": here.world_size,
-        "timeout": wait,
+        url = f"tcp://{_env.master_addr()}:{_env.master_port()}"
+    shown = {
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or f"(unset, used {_env.master_addr()})",
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or f"(unset, used {_env.master_port()})",
+        "WORLD_SIZE": str(here.world_size),
+        "RANK": str(here.rank),
     }
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0":
-        dist.init_process_group(init_method=init_method, **common)
-    else:
-        # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the keys of the
-        # attempt that crashed (each rank's address): a restarted rank could read a dead peer's address and
-        # fail with "connection refused". A prefix per attempt keeps the attempts apart.
-        rendezvous = dist.rendezvous(
-            init_method or "env://", rank=here.rank, world_size=here.world_size, timeout=wait
-        )
-        store = dist.PrefixStore(f"speedups/attempt_{attempt}", next(rendezvous)[0])
-        dist.init_process_group(store=store, **common)
+    # After an elastic restart (torchrun --max-restarts) the store may still hold the keys of the attempt
+    # that crashed (each rank's address): a prefix per attempt keeps the attempts apart.
+    prefix = f"speedups/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = _rendezvous.join(
+        url,
+        prefix=prefix,
+        rank=here.rank,
+        world_size=here.world_size,
+        timeout_s=float(rendezvous_timeout),
+        shown=shown,
+        call="init_distributed()",
+    )
+    wait = timedelta(seconds=float(timeout))
+    store.set_timeout(wait)  # from here on, the long collective timeout
+    store = dist.PrefixStore(prefix, store)
+    dist.init_process_group(
+        backend=backend, store=store, rank=here.rank, world_size=here.world_size, timeout=wait
+    )
     return True
 
 
