@@ -109,7 +109,7 @@ def _failed(call: str, url: str, where: str, timeout_s: float, peers: str, err: 
     cause = f" ({type(err).__name__}: {str(err).splitlines()[0][:200]})" if err is not None else ""
     return (
         f"{call}: the rendezvous at {url} did not complete within {timeout_s:g} s: {peers}{cause}. "
-        f" Read from the environment: {where}. Either the other processes were never started "
+        f"Read from the environment: {where}. Either the other processes were never started "
         f"(a stale WORLD_SIZE/RANK in the shell: `unset WORLD_SIZE RANK LOCAL_RANK`; `python` instead of "
         f"`srun`/`torchrun`), they crashed, or MASTER_ADDR:MASTER_PORT is not reachable from here. Start every "
         f"process with torchrun, srun or speedups.launch(fn, nprocs=N), or raise "

@@ -29,7 +29,7 @@ import wrapt
 from torch import nn
 
 from speedups import _env, _rendezvous, _validate
-from speedups.device import default_device
+from speedups.device import DeviceLike, default_device, resolve_device
 from speedups.errors import SpeedupsError
 
 __all__ = [
@@ -96,6 +96,12 @@ def init_distributed(
         _validate.real(timeout, "timeout", positive=True, example="1800 (seconds)")
         _validate.real(rendezvous_timeout, "rendezvous_timeout", positive=True, example="300 (seconds)")
         _validate.instance(backend, str, "backend", what="'nccl', 'gloo'", none_ok=True)
+    return _start(backend=backend, timeout=timeout, rendezvous_timeout=rendezvous_timeout, device=None)
+
+
+def _start(
+    *, backend: str | None, timeout: float, rendezvous_timeout: float, device: torch.device | None
+) -> bool:
     dist = torch.distributed
     if _env.pg_ready():
         return int(dist.get_world_size()) > 1
@@ -104,7 +110,8 @@ def init_distributed(
     here = _env.placement(call="init_distributed()")
     if here.world_size == 1:
         return False
-    device = default_device()  # validates LOCAL_RANK against the GPUs present, before anything starts
+    if device is None:
+        device = default_device()  # validates LOCAL_RANK against the GPUs present, before anything starts
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -175,12 +182,22 @@ def is_main_process() -> bool:
 
 
 @wrapt.decorator
-def rank_zero_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+def _rank_zero(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    if _env.rank() != 0:
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a function so it runs on global rank 0 only and returns None elsewhere.
 
     For logging, writing files and printing. Never decorate a function that runs a collective (all-reduce,
     barrier, ``LossTracker(all_ranks=True).compute()``): the other ranks would wait for it forever (until
-    the process group's timeout). Works on methods; the signature is kept.
+    the process group's timeout). Works on methods; the signature is kept. A class is refused: on the other
+    ranks its "instance" would be None.
+
+    Raises:
+        TypeError: ``fn`` is a class or not callable.
 
     Example:
         >>> @rank_zero_only
@@ -189,9 +206,18 @@ def rank_zero_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         >>> log("hi")
         'logged hi'
     """
-    if _env.rank() != 0:
-        return None
-    return wrapped(*args, **kwargs)
+    if isinstance(fn, type):
+        raise TypeError(
+            f"rank_zero_only({fn.__qualname__}): a class cannot be rank-zero-only: on every other rank "
+            f"{fn.__qualname__}(...) would return None instead of an instance. Decorate its methods instead "
+            f"(@rank_zero_only def log(self, ...)), or create the object `if is_main_process():`."
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"rank_zero_only({type(fn).__name__}): expected a function or method. "
+            f"Write @rank_zero_only above a def."
+        )
+    return _rank_zero(fn)  # type: ignore[no-any-return]
 
 
 def rank_zero_print(*args: Any, **kwargs: Any) -> None:
@@ -253,11 +279,16 @@ def _fully_shard() -> Callable[..., Any] | None:
     return getattr(fsdp, "fully_shard", None)
 
 
-def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Module:
+def ddp_wrap(
+    model: nn.Module, *, strategy: str = "ddp", device: DeviceLike | None = None, **kwargs: Any
+) -> nn.Module:
     """Move ``model`` to this process's device and wrap it for data parallelism across the process group.
 
     Initialises the process group from the environment first if needed (:func:`init_distributed`). The
-    device is ``cuda:LOCAL_RANK`` with CUDA (never the global rank), else the CPU. ``strategy="ddp"`` wraps
+    device is ``device`` if given (it overrides every launcher), else this process's device by one rule for
+    every launch style (:func:`~speedups.default_device`: ``cuda:LOCAL_RANK`` under torchrun or
+    :func:`~speedups.launch`, never the global rank; ``cuda:0`` with one GPU per ``srun`` task; the current
+    device after ``torch.cuda.set_device`` in ``mp.spawn``), else the CPU. ``strategy="ddp"`` wraps
     in ``torch.nn.parallel.DistributedDataParallel`` (``device_ids=[LOCAL_RANK]`` on CUDA): every rank holds
     the whole model and one all-reduce of the gradients per backward averages them, so N ranks each doing a
     batch of B equal one process doing the global batch of N*B. ``strategy="fsdp"`` applies FSDP2
@@ -272,6 +303,8 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
     Args:
         model: the module to train; at least one parameter must require grad.
         strategy: ``"ddp"`` or ``"fsdp"``.
+        device: where this process's replica lives (``"cuda:1"``, ``torch.device``, an int); None uses
+            :func:`~speedups.default_device`. With CUDA it also becomes the current device.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``) or to
             ``fully_shard`` (e.g. ``reshard_after_forward=False``); checked against their signatures first.
 
@@ -323,8 +356,19 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
         target = nn.parallel.DistributedDataParallel
     _check_kwargs(target, kwargs, strategy)
     _env.placement(call="ddp_wrap()")
-    device = default_device()
-    running = init_distributed()
+    if device is None:
+        place = default_device()
+    else:
+        place = resolve_device(device, call="ddp_wrap", argument="device")
+        if place.type == "cuda":
+            torch.cuda.set_device(place)
+    running = _start(
+        backend=None,
+        timeout=DEFAULT_TIMEOUT_S,
+        rendezvous_timeout=_rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT_S,
+        device=place,
+    )
+    device = place
     model.to(device)
     if not running:
         return model
