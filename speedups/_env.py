@@ -229,8 +229,8 @@ def placement(env: Mapping[str, str] | None = None, *, call: str = "speedups") -
         tasks = slurm_tasks(env_map)
         # stacklevel=1 and the same text from every call: Python's default filter shows it once per process.
         warnings.warn(
-            f"speedups: SLURM allocated {tasks} tasks (SLURM_NTASKS={tasks}) but this process was not started "
-            f"by srun (no SLURM_PROCID/SLURM_STEP_ID), so it runs alone as 1 process on all the data. To "
+            f"speedups: SLURM allocated {tasks} tasks (SLURM_NTASKS={tasks}) but this process was not started"
+            f" by srun (no SLURM_PROCID/SLURM_STEP_ID), so it runs alone as 1 process on all the data. To "
             f"use the {tasks} tasks, start them with `srun python script.py`, or use "
             f"`torchrun --nproc-per-node {tasks} script.py` or speedups.launch(fn, nprocs={tasks}).",
             SpeedupsWarning,

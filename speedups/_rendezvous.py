@@ -1,11 +1,11 @@
 """The rendezvous of :func:`~speedups.init_distributed`: short, counted, and loud when it cannot complete.
 
-``init_process_group(timeout=...)`` uses one timeout for two very different waits: peers joining (seconds, or
-never: a stale ``WORLD_SIZE``, a missing ``srun``) and a collective waiting for a slow rank (minutes). Here the
-join has its own short timeout: every rank connects to the store at ``MASTER_ADDR:MASTER_PORT`` and adds
-itself to a counter; after a few seconds without everyone, each waiting rank says so on stderr; past the
-rendezvous timeout it raises an error naming the variables read and how many peers joined. The store then
-gets the long collective timeout and is handed to ``init_process_group``.
+``init_process_group(timeout=...)`` uses one timeout for two very different waits: peers joining (seconds,
+or never: a stale ``WORLD_SIZE``, a missing ``srun``) and a collective waiting for a slow rank (minutes).
+Here the join has its own short timeout: every rank connects to the store at ``MASTER_ADDR:MASTER_PORT``
+and adds itself to a counter; after a few seconds without everyone, each waiting rank says so on stderr;
+past the rendezvous timeout it raises an error naming the variables read and how many peers joined. The
+store then gets the long collective timeout and is handed to ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def join(
             peers = (
                 f"{count.group(1)} of {world_size} processes joined"
                 if count
-                else f"rank {rank} could not reach the store, so it knows of no peer (0 of {world_size} joined)"
+                else f"rank {rank} could not reach the store, so it knows of no peer "
+                f"(0 of {world_size} joined)"
             )
             raise SpeedupsError(_failed(call, url, where, timeout_s, peers, err)) from err
         key = f"{prefix}/joined/{next(_rounds)}"
@@ -96,7 +97,9 @@ def join(
         while joined[0] < world_size:
             if time.monotonic() > deadline:
                 raise SpeedupsError(
-                    _failed(call, url, where, timeout_s, f"{joined[0]} of {world_size} processes joined", None)
+                    _failed(
+                        call, url, where, timeout_s, f"{joined[0]} of {world_size} processes joined", None
+                    )
                 )
             time.sleep(0.02)
             joined[0] = int(store.add(key, 0))
@@ -111,7 +114,8 @@ def _failed(call: str, url: str, where: str, timeout_s: float, peers: str, err: 
         f"{call}: the rendezvous at {url} did not complete within {timeout_s:g} s: {peers}{cause}. "
         f"Read from the environment: {where}. Either the other processes were never started "
         f"(a stale WORLD_SIZE/RANK in the shell: `unset WORLD_SIZE RANK LOCAL_RANK`; `python` instead of "
-        f"`srun`/`torchrun`), they crashed, or MASTER_ADDR:MASTER_PORT is not reachable from here. Start every "
+        f"`srun`/`torchrun`), they crashed, or MASTER_ADDR:MASTER_PORT is not reachable from here. Start "
+        f"every "
         f"process with torchrun, srun or speedups.launch(fn, nprocs=N), or raise "
         f"init_distributed(rendezvous_timeout=...) if some start late."
     )

@@ -1,4 +1,4 @@
-"""Tip 9 for evaluation: :func:`gather` brings every rank's per-sample outputs together, exactly once, in order.
+"""Tip 9 for evaluation: :func:`gather` brings all ranks' per-sample outputs together, once each, in order.
 
 Each rank evaluates its share of the data (a :func:`~speedups.distributed` loader) and keeps its outputs;
 after the loop one call gathers them on every rank. With the loader, the samples each rank was given are
@@ -44,7 +44,8 @@ def gather(x: Any, loader: DataLoader | None = None) -> Any:
         The same structure as ``x``, each tensor holding the rows of all ranks.
 
     Raises:
-        TypeError: a leaf of ``x`` is not a tensor, or ``loader`` is not a :func:`~speedups.distributed` loader.
+        TypeError: a leaf of ``x`` is not a tensor, or ``loader`` is not a
+            :func:`~speedups.distributed` loader.
         ValueError: the leaves' row counts differ, or exceed what the loader gave this rank.
         SpeedupsError: the ranks disagree on the structure, dims or dtypes; or ``loader`` spans several ranks
             but no process group is running.
@@ -61,8 +62,8 @@ def gather(x: Any, loader: DataLoader | None = None) -> Any:
     rows = {int(t.shape[0]) for t in leaves}
     if len(rows) > 1:
         raise ValueError(
-            f"gather(x): its tensors have different row counts {sorted(rows)}; every tensor must hold one row "
-            f"per sample. Concatenate each output along dim 0 over the whole loop (torch.cat(outputs))."
+            f"gather(x): its tensors have different row counts {sorted(rows)}; every tensor must hold one "
+            f"row per sample. Concatenate each output along dim 0 over the whole loop (torch.cat(outputs))."
         )
     n = rows.pop() if rows else 0
     indices = None if loader is None else _indices(loader, n)
@@ -100,7 +101,8 @@ def _indices(loader: DataLoader, n: int) -> torch.Tensor:
     if not isinstance(loader, DistributedLoader):
         raise TypeError(
             f"gather(x, loader={type(loader).__name__}): expected the loader made by distributed(...) that "
-            f"produced x, so the samples of each rank are known. Pass it, or loader=None for plain rank order."
+            f"produced x, so the samples of each rank are known. Pass it, or loader=None for rank "
+            f"order."
         )
     if loader.epoch < 0:
         raise SpeedupsError(
@@ -110,8 +112,8 @@ def _indices(loader: DataLoader, n: int) -> torch.Tensor:
     given = list(loader.distributed_sampler)  # this rank's indices in the last pass (same epoch, same start)
     if n > len(given):
         raise ValueError(
-            f"gather(x, loader): x has {n} rows but the loader gave this rank {len(given)} samples in its last "
-            f"pass. Pass one row per sample, concatenated over exactly that pass."
+            f"gather(x, loader): x has {n} rows but the loader gave this rank {len(given)} samples in its "
+            f"last pass. Pass one row per sample, concatenated over exactly that pass."
         )
     return torch.tensor(given[:n], dtype=torch.int64)  # fewer rows: drop_last, or a loop stopped early
 
@@ -128,8 +130,8 @@ def _all_gather(leaves: list[torch.Tensor], n: int, indices: torch.Tensor | None
     if any(other != spec for _, other in specs):
         raise SpeedupsError(
             f"gather(x): the ranks' outputs differ in structure, trailing dims or dtype: "
-            f"{[other for _, other in specs]} (per rank: (dims after dim 0, dtype) of each tensor). Give every "
-            f"rank the same kind of output."
+            f"{[other for _, other in specs]} (per rank: (dims after dim 0, dtype) of each tensor). Give "
+            f"every rank the same kind of output."
         )
     most = max(counts)
     out = []
@@ -140,7 +142,7 @@ def _all_gather(leaves: list[torch.Tensor], n: int, indices: torch.Tensor | None
         padded[:n] = moved
         parts = [torch.empty_like(padded) for _ in counts]
         dist.all_gather(parts, padded.contiguous())
-        out.append(torch.cat([p[:c] for p, c in zip(parts, counts)]).to(home))
+        out.append(torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)]).to(home))
     return out
 
 

@@ -38,11 +38,13 @@ class _ChildTraceback(Exception):
         self.text = text
 
     def __str__(self) -> str:
-        return f"\n\"\"\"\n{self.text}\"\"\""
+        return f'\n"""\n{self.text}"""'
 
 
-def launch(fn: Callable[..., Any], *args: Any, nprocs: int, max_restarts: int = 0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` in ``nprocs`` processes on this machine; return their results in rank order.
+def launch(
+    fn: Callable[..., Any], *args: Any, nprocs: int, max_restarts: int = 0, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``nprocs`` processes on this machine; return the results in rank order.
 
     The processes are started by ``torch.distributed.elastic`` (torchrun's agent) on 127.0.0.1: each
     gets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` as under torchrun, the process group is initialised before
@@ -77,7 +79,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, max_restarts: int = 
         >>> launch(square, 3, nprocs=2)  # doctest: +SKIP
         [9, 9]
     """
-    said = f"launch({getattr(fn, '__qualname__', type(fn).__name__)}, nprocs={nprocs!r}, max_restarts={max_restarts!r})"
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    said = f"launch({name}, nprocs={nprocs!r}, max_restarts={max_restarts!r})"
     with _validate.arguments(said):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable. Pass the function itself: launch(train, nprocs=2).")
@@ -93,16 +96,17 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, max_restarts: int = 
     if method == "fork":
         if not hasattr(os, "fork"):
             raise SpeedupsError(
-                f"{said}: {fn.__qualname__} cannot be imported by a new process and this platform cannot fork. "
-                f"Move it into a .py file and import it: `from mytrain import train; launch(train, nprocs=2)`."
+                f"{said}: {name} cannot be imported by a new process and this platform cannot "
+                f"fork. Move it into a .py file and import it: `from mytrain import train; "
+                f"launch(train, nprocs=2)`."
             )
         if torch.cuda.is_initialized():
             raise SpeedupsError(
-                f"{said}: {fn.__qualname__} is defined where a new process cannot import it (a notebook "
-                f"cell, python -c, a lambda), so the processes must be forked, and CUDA is already initialised "
-                f"in this process, which a forked child cannot use. Restart the kernel and call launch() "
-                f"before any CUDA work in the notebook (no .cuda(), .to('cuda'), torch.cuda.* calls), or move "
-                f"{fn.__qualname__} into a .py file and import it (then spawn is used)."
+                f"{said}: {name} is defined where a new process cannot import it (a notebook "
+                f"cell, python -c, a lambda), so the processes must be forked, and CUDA is already "
+                f"initialised in this process, which a forked child cannot use. Restart the kernel and call "
+                f"launch() before any CUDA work in the notebook (no .cuda(), .to('cuda'), torch.cuda.* calls), or "
+                f"move {name} into a .py file and import it (then spawn is used)."
             )
     return _run(fn, args, kwargs, nprocs=nprocs, max_restarts=max_restarts, method=method, said=said)
 
@@ -164,9 +168,11 @@ def _run(
                     f"memory, a crash in native code, or os._exit() are the usual causes."
                 ) from err
             exc, text = reported
-            exc.add_note(f"(raised in process rank {rank} of {said}; its traceback is the cause above)")
+            exc.add_note(  # type: ignore[attr-defined]
+                f"(raised in process rank {rank} of {said}; its traceback is the cause above)"
+            )
             exc.__cause__ = _ChildTraceback(text)
-            raise exc from exc.__cause__  # noqa: B904 (the child's traceback is the cause, not err)
+            raise exc from exc.__cause__  # the child's traceback is the cause, not ChildFailedError
     return [results[i] for i in range(nprocs)]
 
 

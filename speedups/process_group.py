@@ -217,7 +217,7 @@ def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:
             f"rank_zero_only({type(fn).__name__}): expected a function or method. "
             f"Write @rank_zero_only above a def."
         )
-    return _rank_zero(fn)  # type: ignore[no-any-return]
+    return _rank_zero(fn)
 
 
 def rank_zero_print(*args: Any, **kwargs: Any) -> None:

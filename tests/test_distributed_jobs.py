@@ -128,7 +128,8 @@ def test_benchmark_quick_mode_prints_its_table() -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_train_ddp_example_with_launch_two() -> None:
-    out = subprocess.run([sys.executable, "examples/train_ddp.py", "--launch", "2", "--epochs", "1"], cwd=ROOT,
+    cmd = [sys.executable, "examples/train_ddp.py", "--launch", "2", "--epochs", "1"]
+    out = subprocess.run(cmd, cwd=ROOT,
                          env=_env(None), capture_output=True, text=True, timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(re.findall(r"^epoch 1: ", out.stdout, flags=re.M)) == 1  # rank 0 of the 2 launched prints

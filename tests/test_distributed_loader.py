@@ -145,10 +145,14 @@ def test_loader_load_state_dict_rejects_impossible_positions(bad) -> None:
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_a_loader_with_a_distributed_sampler_is_adopted_not_split_twice(shuffle: bool, drop_last: bool) -> None:
+def test_a_loader_with_a_distributed_sampler_is_adopted_not_split_twice(
+    shuffle: bool, drop_last: bool
+) -> None:
     data = list(range(11))
     for rank in range(3):
-        theirs = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last)
+        theirs = DistributedSampler(
+            data, num_replicas=3, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+        )
         loader = distributed(DataLoader(data, batch_size=2, sampler=theirs))
         assert (loader.distributed_sampler.rank, loader.distributed_sampler.num_replicas) == (rank, 3)
         for epoch in range(3):  # pass e equals the user's sampler after set_epoch(e)

@@ -10,7 +10,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from speedups import SpeedupsError, SpeedupsWarning, _env, ddp_wrap, default_device, distributed, init_distributed
+from speedups import (
+    SpeedupsError,
+    SpeedupsWarning,
+    _env,
+    ddp_wrap,
+    default_device,
+    distributed,
+    init_distributed,
+)
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 # What `srun --ntasks-per-node=2 ...` gives task 1 (SLURM_STEP_ID: only srun sets it).
@@ -48,7 +56,11 @@ def test_launch_style_and_placement_from_slurm_and_torchrun_shapes(env, style, v
     [
         ({}, 4, 0),  # plain process: cuda:0 (CUDA not initialised, so no set_device happened)
         (TORCHRUN, 2, 1),  # torchrun and launch(): cuda:LOCAL_RANK
-        ({**TORCHRUN, "RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 4, 1),  # never the global rank
+        (
+            {**TORCHRUN, "RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+            4,
+            1,
+        ),  # never the global rank
         (SRUN, 1, 0),  # srun --gpus-per-task=1: the task's only GPU is cuda:0 (c23)
         (SRUN, 2, 1),  # srun with all of the node's GPUs visible: cuda:SLURM_LOCALID
         ({**SRUN, "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}, 2, 1),  # --gpus-per-task=2: 2 visible

@@ -42,11 +42,14 @@ def _run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Complet
 @pytest.mark.distributed
 def test_launch_from_a_script_spawns_and_returns_rank_order(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text(TRAIN + textwrap.dedent("""
+    script.write_text(
+        TRAIN
+        + textwrap.dedent("""
         if __name__ == "__main__":
             print("RESULT", launch(train, 10, nprocs=2, scale=2))
             print("ENV", sorted(k for k in os.environ if k.startswith("TORCHELASTIC")))
-    """))
+    """)
+    )
     out = _run([sys.executable, str(script)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"RESULT {EXPECTED}" in out.stdout
@@ -82,12 +85,17 @@ def test_launch_from_a_notebook_cell_on_ipykernel(tmp_path: Path, monkeypatch) -
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(TRAIN), nbformat.v4.new_code_cell("launch(train, 10, nprocs=2, scale=2)")]
+    nb.cells = [
+        nbformat.v4.new_code_cell(TRAIN),
+        nbformat.v4.new_code_cell("launch(train, 10, nprocs=2, scale=2)"),
+    ]
     for key, value in _env(None).items():  # the kernel inherits PYTHONPATH, OMP_NUM_THREADS, no RANK...
         monkeypatch.setenv(key, value)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     result = nb.cells[1].outputs[0]
     assert result["output_type"] == "execute_result", nb.cells[1].outputs

@@ -229,13 +229,24 @@ def test_a_rendezvous_that_cannot_complete_fails_fast_naming_the_variables(monke
     from tests._dist import free_port
 
     port = free_port()
-    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for key, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(speedups._rendezvous, "NOTICE_AFTER_S", 0.5)
     with pytest.raises(SpeedupsError) as info:
         init_distributed(rendezvous_timeout=2)
     message = str(info.value)
-    for name in ("MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}", "WORLD_SIZE=2", "RANK=0", "1 of 2 processes joined"):
+    for name in (
+        "MASTER_ADDR=127.0.0.1",
+        f"MASTER_PORT={port}",
+        "WORLD_SIZE=2",
+        "RANK=0",
+        "1 of 2 processes joined",
+    ):
         assert name in message, message
     assert "rank 0 is waiting for the other processes" in capfd.readouterr().err
     assert not torch.distributed.is_initialized()
