@@ -105,7 +105,7 @@ def launch(
                 f"{said}: {name} is defined where a new process cannot import it (a notebook "
                 f"cell, python -c, a lambda), so the processes must be forked, and CUDA is already "
                 f"initialised in this process, which a forked child cannot use. Restart the kernel and call "
-                f"launch() before any CUDA work in the notebook (no .cuda(), .to('cuda'), torch.cuda.* calls), or "
+                f"launch() before any CUDA work in the notebook (no .cuda(), torch.cuda.* calls), or "
                 f"move {name} into a .py file and import it (then spawn is used)."
             )
     return _run(fn, args, kwargs, nprocs=nprocs, max_restarts=max_restarts, method=method, said=said)
