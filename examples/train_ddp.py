@@ -1,6 +1,8 @@
 """The digits example in data-parallel form: ``ddp_wrap`` + ``distributed(loader)``, launched by torchrun.
 
     torchrun --nproc-per-node 2 examples/train_ddp.py      # 2 processes on one machine (CPU: gloo, GPU: nccl)
+    python examples/train_ddp.py --launch 2                # the same 2 processes started by speedups.launch()
+    srun --ntasks-per-node 2 python examples/train_ddp.py  # SLURM: one task per process
     python examples/train_ddp.py                           # the same script as one plain process
     torchrun --nnodes 2 --node-rank $i --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint host0:29400 examples/train_ddp.py  # two nodes of 8 GPUs
@@ -14,6 +16,7 @@ What speedups changes against a plain single-process loop (each marked ``# speed
 - ``ddp_wrap(model)``: process group from the environment, ``cuda:LOCAL_RANK``, DistributedDataParallel.
 - ``distributed(loader)``: a DistributedSampler whose epoch advances by itself (no forgotten set_epoch).
 - ``LossTracker(all_ranks=True)``: the global weighted mean of the loss, one all-reduce per read.
+- ``launch(main, argv, nprocs=N)`` (``--launch N``): the processes started from the script itself.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from speedups import (
     default_device,
     destroy_distributed,
     distributed,
+    launch,
     rank_zero_print,
     seed_everything,
     to_device,
@@ -58,18 +62,28 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device) -
 
 
 def main(argv: list[str] | None = None) -> float:
-    accuracy = train(argv)
+    args = _parser().parse_args(argv)
+    if args.launch:  # speedups: start the processes here instead of under torchrun
+        each = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                "--seed", str(args.seed)]  # fmt: skip
+        accuracies = launch(main, each, nprocs=args.launch)  # one result per rank, in rank order
+        return float(accuracies[0])
+    accuracy = train(args)
     destroy_distributed()  # speedups: after train() returned, so the DDP model is gone first
     return accuracy
 
 
-def train(argv: list[str] | None = None) -> float:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--launch", type=int, default=0, metavar="N", help="start N processes with launch()")
+    return parser
+
+
+def train(args: argparse.Namespace) -> float:
 
     seed_everything(args.seed)  # speedups: the same initial weights and order on every rank
     train_set, test_set = load_digits_split(args.seed)

@@ -9,6 +9,8 @@ from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.device import default_device, resolve_device, to_device
 from speedups.distributed_loader import DistributedLoader, distributed
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.gathering import gather
+from speedups.launcher import launch
 from speedups.loader_tuning import LoaderReport, tune_loader
 from speedups.loaders import fast_loader
 from speedups.mistakes import check
@@ -46,8 +48,10 @@ __all__ = [
     "distributed",
     "fast_loader",
     "find_batch_size",
+    "gather",
     "init_distributed",
     "is_main_process",
+    "launch",
     "load_checkpoint",
     "mixed_precision",
     "profile_steps",

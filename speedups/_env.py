@@ -1,12 +1,31 @@
-"""Which process am I, and which device is mine: read from torchrun, SLURM and the process group.
+"""Which process am I, and which device is mine: one written rule for every launch style.
 
 One small place answers this for every tip (``to_device``, ``LossTracker``'s cross-rank read,
-``distributed()``, ``ddp_wrap``). Nothing here writes to the environment or initialises anything.
+``distributed()``, ``ddp_wrap``, ``launch``). Nothing here writes to the environment or initialises anything.
 
-Precedence: an initialised ``torch.distributed`` process group is the truth for the global rank and the
-world size; otherwise torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``);
-otherwise SLURM's (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``);
-otherwise a single process (rank 0 of 1).
+The launch style (:func:`launch_style`), first match wins:
+
+============== ============================================================ ==============================
+style          recognised by                                                 rank / world size from
+============== ============================================================ ==============================
+``torchrun``   ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set (torchrun,          those variables
+               :func:`~speedups.launch`, torch.distributed.elastic)
+``srun``       ``SLURM_PROCID`` and ``SLURM_STEP_ID`` (only srun sets it)     ``SLURM_PROCID``,
+                                                                             ``SLURM_STEP_NUM_TASKS``
+``process``    a process group initialised by the user (``mp.spawn``)       the process group
+``allocation`` SLURM variables of more than one task but no srun              one process (with one warning)
+               (``python train.py`` in an ``salloc``/``sbatch`` shell)
+``single``     none of these                                                 rank 0 of 1
+============== ============================================================ ==============================
+
+An initialised process group is always the truth for the global rank and world size.
+
+The device rule (:func:`cuda_index`), with CUDA: ``torchrun`` -> ``cuda:LOCAL_RANK`` (an error if that
+GPU is not visible); ``srun`` -> ``cuda:(SLURM_LOCALID % visible GPUs)``: with one GPU bound per task
+(``--gpus-per-task=1``) every task's GPU is ``cuda:0``, with all of a node's GPUs visible it is
+``cuda:SLURM_LOCALID``, and indices are always within ``CUDA_VISIBLE_DEVICES``; ``process`` -> the current
+CUDA device (what ``torch.cuda.set_device(rank)`` chose); otherwise the current device if CUDA is
+initialised, else ``cuda:0``. An explicit ``ddp_wrap(model, device=...)`` overrides all of them.
 """
 
 from __future__ import annotations
@@ -15,6 +34,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,39 +42,52 @@ import torch
 
 __all__ = [
     "Placement",
-    "pg_ready",
+    "cuda_index",
+    "device",
+    "first_host",
     "is_distributed",
+    "launch_style",
     "local_rank",
     "local_world_size",
     "master_addr",
     "master_port",
+    "pg_ready",
     "placement",
     "rank",
+    "slurm_tasks",
     "world_size",
 ]
 
-# (torchrun name, SLURM name) for each quantity.
-_RANK = ("RANK", "SLURM_PROCID")
-_LOCAL_RANK = ("LOCAL_RANK", "SLURM_LOCALID")
-_WORLD_SIZE = ("WORLD_SIZE", "SLURM_NTASKS")
-_LOCAL_WORLD_SIZE = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+# Per style: (rank, local rank, world size, local world size) -> the variables read, first set wins.
+_NAMES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "torchrun": (("RANK",), ("LOCAL_RANK",), ("WORLD_SIZE",), ("LOCAL_WORLD_SIZE",)),
+    "srun": (
+        ("SLURM_PROCID",),
+        ("SLURM_LOCALID",),
+        ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    ),
+}
 
 
-def _read_int(names: tuple[str, str], default: int, env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
+def _int(name: str, raw: str) -> int:
+    # SLURM_NTASKS_PER_NODE may read "4(x2)"; the leading number is this node's count.
+    head = raw.split("(")[0].split(",")[0]
+    try:
+        return int(head)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer. "
+            f"Set it to a whole number, or unset it for a single-process run."
+        ) from None
+
+
+def _read(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
     for name in names:
         raw = env.get(name)
-        if raw is None or raw == "":
-            continue
-        # SLURM_NTASKS_PER_NODE may read "4(x2)"; the leading number is this node's count.
-        head = raw.split("(")[0].split(",")[0]
-        try:
-            return int(head)
-        except ValueError:
-            raise ValueError(
-                f"environment variable {name}={raw!r} is not an integer. "
-                f"Set it to a whole number, or unset it for a single-process run."
-            ) from None
+        if raw:
+            return _int(name, raw)
     return default
 
 
@@ -63,33 +96,109 @@ def pg_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def slurm_tasks(env: Mapping[str, str] | None = None) -> int:
+    """The number of tasks SLURM's variables describe (``SLURM_NTASKS``), 0 outside SLURM."""
+    env = os.environ if env is None else env
+    return _read(env, ("SLURM_NTASKS", "SLURM_NPROCS"), 0)
+
+
+def launch_style(env: Mapping[str, str] | None = None) -> str:
+    """Return how this process was started: ``torchrun``, ``srun``, ``process``, ``allocation``, ``single``.
+
+    ``env`` given: only that mapping is read (the process group is not consulted).
+    """
+    env_map = os.environ if env is None else env
+    if any(env_map.get(name) for name in _TORCHRUN):
+        return "torchrun"
+    if env_map.get("SLURM_PROCID") and env_map.get("SLURM_STEP_ID"):
+        return "srun"
+    if env is None and pg_ready():
+        return "process"
+    if slurm_tasks(env_map) > 1:
+        return "allocation"
+    return "single"
+
+
+def _values(env: Mapping[str, str] | None) -> tuple[int, int, int, int]:
+    env_map = os.environ if env is None else env
+    names = _NAMES.get(launch_style(env))
+    if names is None:
+        return 0, 0, 1, 1
+    return (
+        _read(env_map, names[0], 0),
+        _read(env_map, names[1], 0),
+        _read(env_map, names[2], 1),
+        _read(env_map, names[3], 1),
+    )
+
+
 def rank(env: Mapping[str, str] | None = None) -> int:
     """Return this process's global rank (0 in a single-process run)."""
     if env is None and pg_ready():
         return int(torch.distributed.get_rank())
-    return _read_int(_RANK, 0, env)
+    return _values(env)[0]
 
 
 def world_size(env: Mapping[str, str] | None = None) -> int:
     """Return the number of processes in the job (1 in a single-process run)."""
     if env is None and pg_ready():
         return int(torch.distributed.get_world_size())
-    return _read_int(_WORLD_SIZE, 1, env)
+    return _values(env)[2]
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int:
-    """Return this process's rank on its node: the index of its accelerator, never the global rank."""
-    return _read_int(_LOCAL_RANK, 0, env)
+    """Return this process's rank on its node (0 without a launcher): never the global rank."""
+    return _values(env)[1]
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Return the number of processes on this node (1 in a single-process run)."""
-    return _read_int(_LOCAL_WORLD_SIZE, 1, env)
+    return _values(env)[3]
 
 
 def is_distributed(env: Mapping[str, str] | None = None) -> bool:
     """Return True when the job has more than one process."""
     return world_size(env) > 1
+
+
+def cuda_index(env: Mapping[str, str] | None = None, *, count: int | None = None) -> int:
+    """Return the index of this process's CUDA device by the rule in this module's docstring.
+
+    Args:
+        env: the environment to read (default ``os.environ``, and the process group).
+        count: the number of visible CUDA devices (default ``torch.cuda.device_count()``).
+
+    Raises:
+        SpeedupsError: under torchrun, ``LOCAL_RANK`` names a GPU this process cannot see.
+    """
+    from speedups.errors import SpeedupsError
+
+    count = torch.cuda.device_count() if count is None else count
+    style = launch_style(env)
+    if style == "torchrun":
+        index = local_rank(env)
+        if not 0 <= index < count:
+            raise SpeedupsError(
+                f"default_device(): LOCAL_RANK={index} but this machine has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}). Start at most {count} processes per node, e.g. "
+                f"`torchrun --nproc-per-node {count} ...`, or pass ddp_wrap(model, device=...)."
+            )
+        return index
+    if style == "srun":
+        return local_rank(env) % max(count, 1)
+    if style == "process" or torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())  # what torch.cuda.set_device(...) chose
+    return 0
+
+
+def device(env: Mapping[str, str] | None = None) -> torch.device:
+    """This process's device: CUDA by :func:`cuda_index`, else ``mps``, else ``cpu``."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", cuda_index(env))
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -105,24 +214,40 @@ class Placement:
 def placement(env: Mapping[str, str] | None = None, *, call: str = "speedups") -> Placement:
     """Read rank, local rank, world size and local world size, and reject contradictory values.
 
+    SLURM variables of several tasks without srun (``allocation``) give a single process and one
+    ``SpeedupsWarning`` per process that says how to start the tasks.
+
     Raises:
         SpeedupsError: a negative value, ``RANK >= WORLD_SIZE``, ``LOCAL_RANK >= LOCAL_WORLD_SIZE``,
             ``LOCAL_WORLD_SIZE > WORLD_SIZE``, or a rank variable without the matching world size.
     """
-    from speedups.errors import SpeedupsError
+    from speedups.errors import SpeedupsError, SpeedupsWarning
 
     env_map = os.environ if env is None else env
+    style = launch_style(env)
+    if style == "allocation":
+        tasks = slurm_tasks(env_map)
+        # stacklevel=1 and the same text from every call: Python's default filter shows it once per process.
+        warnings.warn(
+            f"speedups: SLURM allocated {tasks} tasks (SLURM_NTASKS={tasks}) but this process was not started"
+            f" by srun (no SLURM_PROCID/SLURM_STEP_ID), so it runs alone as 1 process on all the data. To "
+            f"use the {tasks} tasks, start them with `srun python script.py`, or use "
+            f"`torchrun --nproc-per-node {tasks} script.py` or speedups.launch(fn, nprocs={tasks}).",
+            SpeedupsWarning,
+            stacklevel=1,
+        )
     here = Placement(rank(env), local_rank(env), world_size(env), local_world_size(env))
     shown = (
         f"RANK={here.rank}, LOCAL_RANK={here.local_rank}, WORLD_SIZE={here.world_size}, "
         f"LOCAL_WORLD_SIZE={here.local_world_size}"
     )
+    names = _NAMES.get(style)
     problem = None
     if min(here.rank, here.local_rank) < 0 or min(here.world_size, here.local_world_size) < 1:
         problem = "ranks must be >= 0 and world sizes >= 1"
     elif here.rank >= here.world_size:
         problem = "the global rank must be below the world size"
-    elif here.local_rank >= here.local_world_size and _set(env_map, _LOCAL_WORLD_SIZE):
+    elif names and here.local_rank >= here.local_world_size and any(env_map.get(n) for n in names[3]):
         problem = "the local rank must be below the local world size"
     elif here.local_world_size > here.world_size:
         problem = "a node cannot hold more processes than the whole job"
@@ -135,13 +260,9 @@ def placement(env: Mapping[str, str] | None = None, *, call: str = "speedups") -
     return here
 
 
-def _set(env: Mapping[str, str], names: tuple[str, str]) -> bool:
-    return any(env.get(name) for name in names)
-
-
 def master_port(env: Mapping[str, str] | None = None) -> int:
     """Return ``MASTER_PORT``, else 29500 (torchrun's default)."""
-    return _read_int(("MASTER_PORT", "MASTER_PORT"), 29500, env)
+    return _read(os.environ if env is None else env, ("MASTER_PORT",), 29500)
 
 
 def master_addr(env: Mapping[str, str] | None = None) -> str:

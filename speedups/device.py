@@ -24,32 +24,22 @@ DeviceLike = torch.device | str | int
 
 
 def default_device() -> torch.device:
-    """Return this process's device: ``cuda:<LOCAL_RANK>`` with CUDA, else ``mps``, else ``cpu``.
+    """Return this process's device: its CUDA device, else ``mps``, else ``cpu``.
 
-    The CUDA index comes from the local rank (torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``), never
-    from the global rank, so the second node of a multi-node job uses its own GPUs 0..k-1.
+    One rule for every launch style (written once in ``speedups._env``): under torchrun or
+    :func:`~speedups.launch`, ``cuda:LOCAL_RANK`` (never the global rank, so a second node uses its own GPUs
+    0..k-1); under ``srun``, ``cuda:(SLURM_LOCALID % visible GPUs)`` (``cuda:0`` when SLURM binds one GPU per
+    task, indices within ``CUDA_VISIBLE_DEVICES``); in processes that made their own process group
+    (``mp.spawn``), the current CUDA device (``torch.cuda.set_device``); else the current device.
 
     Raises:
-        SpeedupsError: the local rank names a GPU this machine does not have.
+        SpeedupsError: under torchrun, the local rank names a GPU this process cannot see.
 
     Example:
         >>> default_device().type in {"cuda", "mps", "cpu"}
         True
     """
-    if torch.cuda.is_available():
-        index = _env.local_rank()
-        count = torch.cuda.device_count()
-        if not 0 <= index < count:
-            raise SpeedupsError(
-                f"default_device(): LOCAL_RANK={index} but this machine has {count} CUDA device(s) "
-                f"(cuda:0..cuda:{count - 1}). Start at most {count} processes per node, e.g. "
-                f"`torchrun --nproc-per-node {count} ...`."
-            )
-        return torch.device("cuda", index)
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return _env.device()
 
 
 def _available_devices() -> list[str]:

@@ -215,13 +215,17 @@ def distributed(
     ``even=True`` (training) pads as ``DistributedSampler`` does, so every rank gets as many batches (DDP's
     all-reduce needs that). ``even=False`` (evaluation) gives each sample to exactly one rank, so a metric
     does not depend on the world size; batch counts may then differ by one: run no per-batch collective,
-    reduce once after the loop (``LossTracker(all_ranks=True)``). The original loader is not modified.
+    reduce once after the loop (``LossTracker(all_ranks=True)`` or :func:`~speedups.gather`). The original
+    loader is not modified. A loader that already has a ``DistributedSampler`` (code written for torchrun) is
+    adopted, never split twice: the same ranks, shuffling, seed and ``drop_last``, with ``set_epoch(e)`` on
+    pass ``e``; arguments that contradict that sampler raise.
 
     Sync points: none (each rank computes the same permutation from ``seed + epoch``).
 
     Args:
         loader: a map-style ``DataLoader`` whose sampler is a ``RandomSampler`` (shuffled),
-            a ``SequentialSampler`` (not shuffled), or either inside a ``BatchSampler``.
+            a ``SequentialSampler`` (not shuffled), a ``DistributedSampler`` (adopted), or one of them inside
+            a ``BatchSampler``.
         shuffle: shuffle every epoch; None keeps what the original did.
         even: pad so every rank gets equal batch counts (True, training), or give every sample exactly once
             (False, evaluation).
@@ -236,7 +240,8 @@ def distributed(
     Raises:
         TypeError: ``loader`` is not a DataLoader, or holds an ``IterableDataset``, or a sampler that cannot
             be split across ranks (weighted, subset, custom).
-        ValueError: ``rank``/``world_size`` out of range, or ``loader`` is already distributed.
+        ValueError: ``rank``/``world_size`` out of range, ``loader`` is already a :class:`DistributedLoader`,
+            or an argument contradicts the ``DistributedSampler`` it holds.
         SpeedupsError: the environment contradicts itself.
 
     Example:
@@ -282,12 +287,10 @@ def distributed(
             f"SequentialSampler instead, or split indices by rank inside your batch sampler."
         )
     inner = loader.sampler if batch_sampler is None else batch_sampler.sampler
-    if isinstance(inner, DistributedSampler):
-        raise ValueError(
-            f"distributed(loader): its sampler is already a {type(inner).__name__}. Pass the loader built "
-            f"with shuffle=True/False, and distributed() adds the DistributedSampler."
-        )
-    if type(inner) is RandomSampler:
+    if isinstance(inner, DistributedSampler):  # code written for torchrun: adopt its split, never split twice
+        shuffle, seed, rank, world_size = _adopted(inner, shuffle, seed, rank, world_size, said)
+        was_shuffled = shuffle
+    elif type(inner) is RandomSampler:
         if inner.replacement or inner._num_samples is not None:
             raise TypeError(
                 "distributed(loader): its RandomSampler draws with replacement or a num_samples, which a "
@@ -318,6 +321,8 @@ def distributed(
         seed=seed,
         even=even,
     )
+    if isinstance(inner, DistributedSampler) and inner.drop_last and even:  # its split, tail dropped
+        sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
     params = inspect.signature(DataLoader.__init__).parameters
     kwargs = {
         name: getattr(loader, name) for name in _PASSED_THROUGH if name in params and hasattr(loader, name)
@@ -332,3 +337,26 @@ def distributed(
     else:
         kwargs.update(sampler=sampler, batch_size=None)
     return DistributedLoader(loader.dataset, **kwargs)
+
+
+def _adopted(
+    inner: DistributedSampler,
+    shuffle: bool | None,
+    seed: int,
+    rank: int | None,
+    world_size: int | None,
+    said: str,
+) -> tuple[bool, int, int, int]:
+    """The settings of a user's ``DistributedSampler``; an argument that contradicts it raises."""
+    theirs = {"shuffle": inner.shuffle, "rank": inner.rank, "world_size": inner.num_replicas}
+    given = {"shuffle": shuffle, "rank": rank, "world_size": world_size}
+    clash = [f"{k}={given[k]!r} (its {k}={theirs[k]!r})" for k in theirs if given[k] not in (None, theirs[k])]
+    if seed not in (0, inner.seed):
+        clash.append(f"seed={seed!r} (its seed={inner.seed!r})")
+    if clash:
+        raise ValueError(
+            f"{said}: the loader already has a DistributedSampler, which distributed() adopts as it is, but "
+            f"{', '.join(clash)}. Leave those arguments out, or build the loader with shuffle=True/False and "
+            f"no sampler, and distributed() adds one."
+        )
+    return bool(inner.shuffle), int(inner.seed), int(inner.rank), int(inner.num_replicas)

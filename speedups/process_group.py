@@ -28,9 +28,9 @@ import torch
 import wrapt
 from torch import nn
 
-from speedups import _env, _validate
+from speedups import _env, _rendezvous, _validate
 from speedups._wrappers import find_ddp, layers, unwrap
-from speedups.device import default_device
+from speedups.device import DeviceLike, default_device, resolve_device
 from speedups.errors import SpeedupsError
 
 __all__ = [
@@ -48,22 +48,33 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 # ---------------------------------------------------------------------------------------- process group
-def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+def init_distributed(
+    *,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    rendezvous_timeout: float = _rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT_S,
+) -> bool:
     """Initialise the default process group from the environment, once; return whether one is running.
 
     Reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or SLURM's
     (``SLURM_PROCID``, ``SLURM_NTASKS``, the first host of ``SLURM_JOB_NODELIST`` as the master address,
-    ``MASTER_PORT`` or 29500 as the port). Nothing is written to ``os.environ``: the address goes to
-    ``init_process_group`` as ``init_method="tcp://host:port"`` with the rank and world size.
-    With CUDA the backend is nccl and the current CUDA device is set to ``cuda:LOCAL_RANK`` (never the
-    global rank); otherwise gloo. A world size of 1 (no launcher) initialises nothing and returns False;
-    an already initialised process group is left as it is and returns True.
+    ``MASTER_PORT`` or 29500 as the port) when ``srun`` started the process. Nothing is written to
+    ``os.environ``. With CUDA the backend is nccl and the current CUDA device is set to this process's device
+    (``cuda:LOCAL_RANK`` under torchrun, never the global rank; see :func:`~speedups.default_device`);
+    otherwise gloo. A world size of 1 (no launcher; SLURM variables without srun, with one warning)
+    initialises nothing and returns False; an already initialised process group is left as it is.
+
+    Joining is separate from the collectives: every rank must join within ``rendezvous_timeout`` (a rank
+    still waiting after 10 s says so on stderr), else the call fails naming ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and how many processes joined. ``timeout`` then applies to
+    each collective.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or None (nccl with CUDA, gloo otherwise).
         timeout: seconds a collective waits for a peer before failing (default 1800), so a dead peer ends
             the job instead of hanging it. Raise it if rank 0 alone does long work (a huge checkpoint)
             between collectives.
+        rendezvous_timeout: seconds all processes may take to join (default 300).
 
     Returns:
         True when a process group with more than one process is initialised.
@@ -71,16 +82,27 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
     Raises:
         TypeError: ``timeout`` is not a number, or ``backend`` is not a string or None.
         ValueError: ``timeout`` is not positive and finite.
-        SpeedupsError: the environment contradicts itself (``RANK >= WORLD_SIZE``, ...), or ``LOCAL_RANK``
-            names a GPU this machine does not have.
+        SpeedupsError: the environment contradicts itself (``RANK >= WORLD_SIZE``, ...), ``LOCAL_RANK``
+            names a GPU this machine does not have, or the rendezvous did not complete in time.
 
     Example:
         >>> init_distributed()  # a plain process: nothing to do
         False
     """
-    with _validate.arguments(f"init_distributed(backend={backend!r}, timeout={timeout!r})"):
+    said = (
+        f"init_distributed(backend={backend!r}, timeout={timeout!r}, "
+        f"rendezvous_timeout={rendezvous_timeout!r})"
+    )
+    with _validate.arguments(said):
         _validate.real(timeout, "timeout", positive=True, example="1800 (seconds)")
+        _validate.real(rendezvous_timeout, "rendezvous_timeout", positive=True, example="300 (seconds)")
         _validate.instance(backend, str, "backend", what="'nccl', 'gloo'", none_ok=True)
+    return _start(backend=backend, timeout=timeout, rendezvous_timeout=rendezvous_timeout, device=None)
+
+
+def _start(
+    *, backend: str | None, timeout: float, rendezvous_timeout: float, device: torch.device | None
+) -> bool:
     dist = torch.distributed
     if _env.pg_ready():
         return int(dist.get_world_size()) > 1
@@ -89,35 +111,41 @@ def init_distributed(*, backend: str | None = None, timeout: float = DEFAULT_TIM
     here = _env.placement(call="init_distributed()")
     if here.world_size == 1:
         return False
-    device = default_device()  # validates LOCAL_RANK against the GPUs present, before anything starts
+    if device is None:
+        device = default_device()  # validates LOCAL_RANK against the GPUs present, before anything starts
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # torchrun (MASTER_ADDR and MASTER_PORT set): env://, which joins torchrun's own store. SLURM alone: the
     # first node of the job, passed explicitly (no env writes).
-    init_method = None
+    url = "env://"
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        init_method = f"tcp://{_env.master_addr()}:{_env.master_port()}"
-    wait = timedelta(seconds=float(timeout))
-    common: dict[str, Any] = {
-        "backend": backend,
-        "rank": here.rank,
-        "world_size": here.world_size,
-        "timeout": wait,
+        url = f"tcp://{_env.master_addr()}:{_env.master_port()}"
+    shown = {
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or f"(unset, used {_env.master_addr()})",
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or f"(unset, used {_env.master_port()})",
+        "WORLD_SIZE": str(here.world_size),
+        "RANK": str(here.rank),
     }
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0":
-        dist.init_process_group(init_method=init_method, **common)
-    else:
-        # After an elastic restart (torchrun --max-restarts) torchrun's store still holds the keys of the
-        # attempt that crashed (each rank's address): a restarted rank could read a dead peer's address and
-        # fail with "connection refused". A prefix per attempt keeps the attempts apart.
-        rendezvous = dist.rendezvous(
-            init_method or "env://", rank=here.rank, world_size=here.world_size, timeout=wait
-        )
-        store = dist.PrefixStore(f"speedups/attempt_{attempt}", next(rendezvous)[0])
-        dist.init_process_group(store=store, **common)
+    # After an elastic restart (torchrun --max-restarts) the store may still hold the keys of the attempt
+    # that crashed (each rank's address): a prefix per attempt keeps the attempts apart.
+    prefix = f"speedups/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = _rendezvous.join(
+        url,
+        prefix=prefix,
+        rank=here.rank,
+        world_size=here.world_size,
+        timeout_s=float(rendezvous_timeout),
+        shown=shown,
+        call="init_distributed()",
+    )
+    wait = timedelta(seconds=float(timeout))
+    store.set_timeout(wait)  # from here on, the long collective timeout
+    store = dist.PrefixStore(prefix, store)
+    dist.init_process_group(
+        backend=backend, store=store, rank=here.rank, world_size=here.world_size, timeout=wait
+    )
     return True
 
 
@@ -155,12 +183,22 @@ def is_main_process() -> bool:
 
 
 @wrapt.decorator
-def rank_zero_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+def _rank_zero(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    if _env.rank() != 0:
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a function so it runs on global rank 0 only and returns None elsewhere.
 
     For logging, writing files and printing. Never decorate a function that runs a collective (all-reduce,
     barrier, ``LossTracker(all_ranks=True).compute()``): the other ranks would wait for it forever (until
-    the process group's timeout). Works on methods; the signature is kept.
+    the process group's timeout). Works on methods; the signature is kept. A class is refused: on the other
+    ranks its "instance" would be None.
+
+    Raises:
+        TypeError: ``fn`` is a class or not callable.
 
     Example:
         >>> @rank_zero_only
@@ -169,9 +207,18 @@ def rank_zero_only(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         >>> log("hi")
         'logged hi'
     """
-    if _env.rank() != 0:
-        return None
-    return wrapped(*args, **kwargs)
+    if isinstance(fn, type):
+        raise TypeError(
+            f"rank_zero_only({fn.__qualname__}): a class cannot be rank-zero-only: on every other rank "
+            f"{fn.__qualname__}(...) would return None instead of an instance. Decorate its methods instead "
+            f"(@rank_zero_only def log(self, ...)), or create the object `if is_main_process():`."
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"rank_zero_only({type(fn).__name__}): expected a function or method. "
+            f"Write @rank_zero_only above a def."
+        )
+    return _rank_zero(fn)
 
 
 def rank_zero_print(*args: Any, **kwargs: Any) -> None:
@@ -233,11 +280,16 @@ def _fully_shard() -> Callable[..., Any] | None:
     return getattr(fsdp, "fully_shard", None)
 
 
-def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Module:
+def ddp_wrap(
+    model: nn.Module, *, strategy: str = "ddp", device: DeviceLike | None = None, **kwargs: Any
+) -> nn.Module:
     """Move ``model`` to this process's device and wrap it for data parallelism across the process group.
 
     Initialises the process group from the environment first if needed (:func:`init_distributed`). The
-    device is ``cuda:LOCAL_RANK`` with CUDA (never the global rank), else the CPU. ``strategy="ddp"`` wraps
+    device is ``device`` if given (it overrides every launcher), else this process's device by one rule for
+    every launch style (:func:`~speedups.default_device`: ``cuda:LOCAL_RANK`` under torchrun or
+    :func:`~speedups.launch`, never the global rank; ``cuda:0`` with one GPU per ``srun`` task; the current
+    device after ``torch.cuda.set_device`` in ``mp.spawn``), else the CPU. ``strategy="ddp"`` wraps
     in ``torch.nn.parallel.DistributedDataParallel`` (``device_ids=[LOCAL_RANK]`` on CUDA): every rank holds
     the whole model and one all-reduce of the gradients per backward averages them, so N ranks each doing a
     batch of B equal one process doing the global batch of N*B. ``strategy="fsdp"`` applies FSDP2
@@ -255,6 +307,8 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
             ``torch.compile(ddp_wrap(m))`` is the order PyTorch recommends. ``@accumulate`` and ``check()``
             see through either order.
         strategy: ``"ddp"`` or ``"fsdp"``.
+        device: where this process's replica lives (``"cuda:1"``, ``torch.device``, an int); None uses
+            :func:`~speedups.default_device`. With CUDA it also becomes the current device.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``) or to
             ``fully_shard`` (e.g. ``reshard_after_forward=False``); checked against their signatures first.
 
@@ -306,8 +360,19 @@ def ddp_wrap(model: nn.Module, *, strategy: str = "ddp", **kwargs: Any) -> nn.Mo
         target = nn.parallel.DistributedDataParallel
     _check_kwargs(target, kwargs, strategy)
     _env.placement(call="ddp_wrap()")
-    device = default_device()
-    running = init_distributed()
+    if device is None:
+        place = default_device()
+    else:
+        place = resolve_device(device, call="ddp_wrap", argument="device")
+        if place.type == "cuda":
+            torch.cuda.set_device(place)
+    running = _start(
+        backend=None,
+        timeout=DEFAULT_TIMEOUT_S,
+        rendezvous_timeout=_rendezvous.DEFAULT_RENDEZVOUS_TIMEOUT_S,
+        device=place,
+    )
+    device = place
     model.to(device)
     if not running:
         return model

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tests._bench import run_quick
-from tests._dist import ROOT, WORKERS, run_torchrun, run_two_nodes
+from tests._dist import ROOT, WORKERS, _env, run_torchrun, run_two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -123,3 +123,15 @@ def test_train_ddp_example_two_processes_and_one(tmp_path: Path) -> None:
 def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("ddp", timeout=240)
     assert "ratio to 1 process" in stdout and "2 processes (DDP)" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_ddp_example_with_launch_two() -> None:
+    cmd = [sys.executable, "examples/train_ddp.py", "--launch", "2", "--epochs", "1"]
+    out = subprocess.run(cmd, cwd=ROOT,
+                         env=_env(None), capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(re.findall(r"^epoch 1: ", out.stdout, flags=re.M)) == 1  # rank 0 of the 2 launched prints
+    match = re.search(r"^test_accuracy=(\d\.\d{4})$", out.stdout, flags=re.M)
+    assert match and float(match.group(1)) > 0.5, out.stdout

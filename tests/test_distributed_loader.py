@@ -141,3 +141,32 @@ def test_loader_load_state_dict_rejects_impossible_positions(bad) -> None:
     with pytest.raises(ValueError, match=r"DistributedLoader.load_state_dict\(state\)"):
         loader.load_state_dict({**good, **bad})
     assert loader.state_dict() == good and len(list(loader)) == 2  # 5 samples on this rank: 2 batches
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_loader_with_a_distributed_sampler_is_adopted_not_split_twice(
+    shuffle: bool, drop_last: bool
+) -> None:
+    data = list(range(11))
+    for rank in range(3):
+        theirs = DistributedSampler(
+            data, num_replicas=3, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+        )
+        loader = distributed(DataLoader(data, batch_size=2, sampler=theirs))
+        assert (loader.distributed_sampler.rank, loader.distributed_sampler.num_replicas) == (rank, 3)
+        for epoch in range(3):  # pass e equals the user's sampler after set_epoch(e)
+            reference = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=shuffle, seed=7,
+                                           drop_last=drop_last)  # fmt: skip
+            reference.set_epoch(epoch)
+            assert [x for b in loader for x in b.tolist()] == list(reference)
+
+
+def test_adopting_a_distributed_sampler_refuses_contradicting_arguments() -> None:
+    theirs = DistributedSampler(list(range(8)), num_replicas=2, rank=1, shuffle=True, seed=3)
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=theirs)
+    with pytest.raises(ValueError, match=r"world_size=4 \(its world_size=2\)"):
+        distributed(loader, world_size=4)
+    with pytest.raises(ValueError, match=r"seed=9 \(its seed=3\)"):
+        distributed(loader, seed=9)
+    assert distributed(loader, rank=1, world_size=2, shuffle=True, seed=3).distributed_sampler.seed == 3

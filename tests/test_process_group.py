@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import speedups._rendezvous
 import speedups.process_group
 from speedups import (
     SpeedupsError,
@@ -42,16 +43,35 @@ def _a8(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
 
 
+class _Store:
+    def set_timeout(self, value: timedelta) -> None:
+        self.timeout = value
+
+
+def _fake_rendezvous(monkeypatch, calls: dict) -> None:
+    """Record what init_distributed hands to the rendezvous and to init_process_group; start nothing."""
+    store = _Store()
+    monkeypatch.setattr(
+        speedups._rendezvous, "join", lambda url, **kw: calls.setdefault("join", {"url": url, **kw}) and store
+    )
+    monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, inner: (prefix, inner))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.setdefault("init", kw))
+
+
 def test_a8_device_from_local_rank_process_group_and_sampler_from_global_rank(monkeypatch) -> None:
     _a8(monkeypatch)
     calls: dict[str, object] = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.setdefault("init", kw))
+    _fake_rendezvous(monkeypatch, calls)
     assert default_device() == torch.device("cuda", 1)
-    assert init_distributed(timeout=60) is True
-    init = calls["init"]
+    assert init_distributed(timeout=60, rendezvous_timeout=20) is True
+    init, join = calls["init"], calls["join"]
     assert init["rank"] == 5 and init["world_size"] == 8 and init["backend"] == "nccl"  # type: ignore[index]
-    assert init["timeout"] == timedelta(seconds=60) and init["init_method"] is None  # type: ignore[index]
+    assert init["timeout"] == timedelta(seconds=60)  # type: ignore[index]
+    prefix, store = init["store"]  # type: ignore[index]
+    assert prefix == "speedups/attempt_0" and store.timeout == timedelta(seconds=60)  # collectives: long
+    assert join["url"] == "env://" and join["timeout_s"] == 20  # type: ignore[index]  # joining: short
+    assert (join["rank"], join["world_size"]) == (5, 8)  # type: ignore[index]
     assert calls["set_device"] == torch.device("cuda", 1)
     sampler = distributed(DataLoader(list(range(16)), batch_size=2, shuffle=True)).distributed_sampler
     assert (sampler.rank, sampler.num_replicas) == (5, 8)
@@ -62,15 +82,18 @@ def test_a8_device_from_local_rank_process_group_and_sampler_from_global_rank(mo
 
 
 def test_slurm_only_uses_tcp_init_with_the_first_node(monkeypatch) -> None:
-    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)"}
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)",
+             "SLURM_STEP_ID": "0"}  # fmt: skip
     for key, value in {**slurm, "SLURM_JOB_NODELIST": "gpu[07-08],cpu1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: parse the list
     calls: dict[str, dict] = {}
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.setdefault("init", kw))
+    _fake_rendezvous(monkeypatch, calls)
     assert init_distributed() is True
-    assert calls["init"]["init_method"] == "tcp://gpu07:29500" and calls["init"]["backend"] == "gloo"
+    assert calls["join"]["url"] == "tcp://gpu07:29500" and calls["init"]["backend"] == "gloo"
+    assert (calls["join"]["rank"], calls["join"]["world_size"]) == (3, 4)
     assert (calls["init"]["rank"], calls["init"]["world_size"]) == (3, 4)
+    assert calls["join"]["shown"]["MASTER_ADDR"] == "(unset, used gpu07)"
     assert "MASTER_ADDR" not in os.environ  # nothing written to the environment
 
 
@@ -197,3 +220,48 @@ def test_init_distributed_bad_arguments() -> None:
     with pytest.raises(ValueError, match="timeout=0"):
         init_distributed(timeout=0)
     assert init_distributed() is False
+
+
+# ------------------------------------------------------------------------------------ rendezvous, rank zero
+@pytest.mark.slow
+def test_a_rendezvous_that_cannot_complete_fails_fast_naming_the_variables(monkeypatch, capfd) -> None:
+    """n06: a stale WORLD_SIZE=2 with no peer: a notice on stderr, then an error within the short timeout."""
+    from tests._dist import free_port
+
+    port = free_port()
+    for key, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(speedups._rendezvous, "NOTICE_AFTER_S", 0.5)
+    with pytest.raises(SpeedupsError) as info:
+        init_distributed(rendezvous_timeout=2)
+    message = str(info.value)
+    for name in (
+        "MASTER_ADDR=127.0.0.1",
+        f"MASTER_PORT={port}",
+        "WORLD_SIZE=2",
+        "RANK=0",
+        "1 of 2 processes joined",
+    ):
+        assert name in message, message
+    assert "rank 0 is waiting for the other processes" in capfd.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_rank_zero_only_refuses_a_class() -> None:
+    class Logger:
+        pass
+
+    with pytest.raises(TypeError, match=r"rank_zero_only\(.*Logger\): a class cannot be rank-zero-only"):
+        rank_zero_only(Logger)
+    with pytest.raises(TypeError, match="expected a function"):
+        rank_zero_only(3)  # type: ignore[arg-type]
+
+
+def test_init_distributed_bad_rendezvous_timeout() -> None:
+    with pytest.raises(ValueError, match="rendezvous_timeout=0"):
+        init_distributed(rendezvous_timeout=0)
