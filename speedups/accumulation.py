@@ -17,8 +17,8 @@ from typing import Any, Generic, TypeVar
 import torch
 import wrapt
 
-from speedups import _step
-from speedups._step_checks import check_arguments, check_result, check_state, guard_optimizer
+from speedups import _step, _step_state
+from speedups._step_checks import check_arguments, check_result, guard_optimizer
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.grad_sync import SyncKind, count_dtype, grad_sync_for
 
@@ -74,11 +74,17 @@ class _Accumulator:
         self.check_losses = skip_nonfinite and self.sync.kind is SyncKind.SINGLE
         self.updating = False  # True while this step runs its own optimizer update
         self.warned_hand_step = False
+        self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
+        self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
+        self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
         if self.scaler is None:
-            if self.pending:
+            if self.restored_scaler is not None:  # restored before the scaler existed: apply it now
+                scaler.load_state_dict(self.restored_scaler)
+                self.restored_scaler = None
+            elif self.pending:
                 raise SpeedupsError(
                     f"accumulate: a GradScaler arrived in the middle of an accumulation window "
                     f"({self.pending} unscaled micro-steps already accumulated). Enter mixed_precision in "
@@ -237,40 +243,14 @@ class _Accumulator:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        return {
-            "every": self.every,
-            "step": self.step,
-            "num_updates": self.num_updates,
-            "pending": self.pending,
-            "mode": None if self.mode is None else self.mode.value,
-            "total_host": self.total_host,
-            "total_device": None if self.total_device is None else self.total_device.clone(),
-            "grads": grads if self.pending else None,
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "losses": [loss.clone() for loss in self.losses],
-            "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
-        }
+        return _step_state.save(self)
+
+    def check_state(self, state: Any) -> None:
+        _step_state.check(self, state, tuple(mode.value for mode in _Mode))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        check_state(state, self.every, params, tuple(mode.value for mode in _Mode))  # before any change
-        grads = state["grads"]
-        if state.get("scaler") is not None and self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if grads is not None:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
-        self.step = state["step"]
-        self.num_updates = state["num_updates"]
-        self.pending = state["pending"]
-        self.mode = None if state["mode"] is None else _Mode(state["mode"])
-        self.total_host = float(state["total_host"])
-        self.total_device = state["total_device"]
-        self.losses = list(state.get("losses", []))
-        self.ref_n = state.get("ref_n", 1.0)
-        self.sync.restart()
+        self.check_state(state)  # before any change
+        _step_state.load(self, state, _Mode)
 
 
 def _shown(name: str, doc: str) -> Any:
@@ -307,16 +287,22 @@ class _StepAttributes:
     def epoch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted: windows never straddle epochs.
 
+        After :func:`~speedups.load_checkpoint` restored a window saved inside ``epoch()``, the next
+        ``epoch(loader)`` continues it: it is the same epoch, resumed mid-way (a
+        :class:`~speedups.DistributedLoader` must resume mid-epoch too, as its checkpoint makes it).
+
         Raises:
             SpeedupsError: a window of an earlier epoch is still pending (a loop broke out without flush()).
         """
         acc = self._acc()
         if acc.pending:
-            raise SpeedupsError(
-                f"accumulate(...).epoch(loader): {acc.pending} micro-steps of an earlier epoch are still "
-                f"pending. Call train_step.flush() before starting a new epoch."
-            )
-        yield from batches
+            _step_state.check_continues(acc, batches)
+        acc.resumed_in_epoch = False
+        acc.in_epoch = True
+        try:
+            yield from batches
+        finally:
+            acc.in_epoch = False
         acc.flush()
 
     def state_dict(self) -> dict[str, Any]:
@@ -329,10 +315,17 @@ class _StepAttributes:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (the pending gradients too).
 
+        Loaded before the first fp16 call, the saved loss scale waits for the step's GradScaler and is
+        applied when ``mixed_precision`` hands it over: saving the step alone resumes fp16 exactly.
+
         Raises:
             ValueError: not such a dict, or made with another window size or model (nothing changed).
         """
         self._acc().load_state_dict(state)
+
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        self._acc().check_state(state)
 
 
 class _BoundStep(_StepAttributes, wrapt.BoundFunctionWrapper):
