@@ -19,7 +19,7 @@ from speedups.errors import SpeedupsError
 __all__ = ["check", "check_continues", "load", "save"]
 
 
-def _params(acc: Any) -> list[torch.Tensor]:
+def _params(acc: Any) -> list[torch.nn.Parameter]:
     return [p for g in acc.optimizer.param_groups for p in g["params"]]
 
 

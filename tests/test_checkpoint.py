@@ -114,7 +114,7 @@ def test_ddp_state_is_saved_with_the_plain_modules_keys(tmp_path: Path) -> None:
     model = nn.Linear(2, 1)
     save_checkpoint(tmp_path / "c.pt", model=model)
     raw = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert set(raw["objects"]["model"]) == {"weight", "bias"}
+    assert set(raw["model"]) == {"weight", "bias"}
 
 
 def test_tracker_all_ranks_without_a_process_group_reads_local_values() -> None:
