@@ -3,6 +3,8 @@ may continue a restored window.
 
 A step restored before its first fp16 call has no GradScaler yet (``mixed_precision`` hands it over on that
 call): the saved scaler state is kept on the step and applied when the scaler arrives (``adopt_scaler``).
+A restored window flushed before that call (a checkpoint taken after an epoch's last micro-step) is
+unscaled by a stand-in GradScaler built from the saved state, whose state then passes to the real one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from speedups._step_checks import check_state
 from speedups.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError
 
-__all__ = ["check", "check_continues", "load", "save"]
+__all__ = ["check", "check_continues", "handed_over", "load", "save", "stand_in_scaler"]
 
 
 def _params(acc: Any) -> list[torch.nn.Parameter]:
@@ -96,3 +98,22 @@ def check_continues(acc: Any, batches: Any) -> None:
         f"accumulate(...).epoch(loader): {acc.pending} micro-steps of an earlier epoch are still pending. "
         f"Call train_step.flush() before starting a new epoch.{where}"
     )
+
+
+def handed_over(acc: Any) -> dict[str, Any] | None:
+    """The scaler state a newly arrived GradScaler must take: the stand-in's, or one loaded earlier."""
+    if acc.stand_in:
+        return dict(acc.scaler.state_dict())
+    state, acc.restored_scaler = acc.restored_scaler, None
+    return state
+
+
+def stand_in_scaler(acc: Any) -> None:
+    """Before a flush with a restored scaler state and no scaler yet: build one from that state."""
+    if acc.scaler is not None or acc.restored_scaler is None:
+        return
+    device = next((p.device for p in _params(acc)), torch.device("cpu"))
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.load_state_dict(acc.restored_scaler)
+    scaler.scale(torch.zeros((), device=device))  # builds its scale tensor from the loaded state (lazy)
+    acc.scaler, acc.stand_in, acc.restored_scaler = scaler, True, None

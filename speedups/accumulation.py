@@ -77,13 +77,14 @@ class _Accumulator:
         self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
         self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
         self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
+        self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-        if self.scaler is None:
-            if self.restored_scaler is not None:  # restored before the scaler existed: apply it now
-                scaler.load_state_dict(self.restored_scaler)
-                self.restored_scaler = None
+        if self.scaler is None or self.stand_in:
+            restored = _step_state.handed_over(self)  # a state loaded before the scaler existed, if any
+            if restored is not None:
+                scaler.load_state_dict(restored)
             elif self.pending:
                 raise SpeedupsError(
                     f"accumulate: a GradScaler arrived in the middle of an accumulation window "
@@ -91,7 +92,7 @@ class _Accumulator:
                     f"every call of the step, from the first one, e.g. stack @mixed_precision('fp16') under "
                     f"@accumulate."
                 )
-            self.scaler = scaler
+            self.scaler, self.stand_in = scaler, False
         return self.scaler
 
     def __call__(
@@ -235,6 +236,7 @@ class _Accumulator:
     def flush(self) -> None:
         if not self.pending:
             return
+        _step_state.stand_in_scaler(self)  # a restored fp16 window flushed before any fp16 call
         local_count = self._local_count if self.mode is _ITEMS else None
         count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
         if count is not None:
