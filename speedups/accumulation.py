@@ -16,12 +16,11 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 import wrapt
 
-from speedups import _step
+from speedups import _step, _step_state
 from speedups._step_checks import (
     check_arguments,
     check_outer_autocast,
     check_result,
-    check_state,
     guard_optimizer,
     refuse_reentry,
     warn_skipped,
@@ -89,18 +88,25 @@ class _Accumulator:
         self.host_items = False  # this rank's open window counted items > 0 given as Python numbers
         self.warned_hand_step = False
         self.micro = make_micro_batcher(micro_batch_size, split, self.sync.kind, every)  # None: no split
+        self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
+        self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
+        self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
+        self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-        if self.scaler is None:
-            if self.pending:
+        if self.scaler is None or self.stand_in:
+            restored = _step_state.handed_over(self)  # a state loaded before the scaler existed, if any
+            if restored is not None:
+                scaler.load_state_dict(restored)
+            elif self.pending:
                 raise SpeedupsError(
                     f"accumulate: a GradScaler arrived in the middle of an accumulation window "
                     f"({self.pending} unscaled micro-steps already accumulated). Enter mixed_precision in "
                     f"every call of the step, from the first one, e.g. stack @mixed_precision('fp16') under "
                     f"@accumulate."
                 )
-            self.scaler = scaler
+            self.scaler, self.stand_in = scaler, False
         return self.scaler
 
     def __call__(
@@ -252,6 +258,7 @@ class _Accumulator:
     def flush(self) -> None:
         if not self.pending:
             return
+        _step_state.stand_in_scaler(self)  # a restored fp16 window flushed before any fp16 call
         local_count = self._local_count if self.mode is _ITEMS else None
         count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
         if count is not None:
@@ -263,40 +270,14 @@ class _Accumulator:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        return {
-            "every": self.every,
-            "step": self.step,
-            "num_updates": self.num_updates,
-            "pending": self.pending,
-            "mode": None if self.mode is None else self.mode.value,
-            "total_host": self.total_host,
-            "total_device": None if self.total_device is None else self.total_device.clone(),
-            "grads": grads if self.pending else None,
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "losses": [loss.clone() for loss in self.losses],
-            "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
-        }
+        return _step_state.save(self)
+
+    def check_state(self, state: Any) -> None:
+        _step_state.check(self, state, tuple(mode.value for mode in _Mode))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        check_state(state, self.every, params, tuple(mode.value for mode in _Mode))  # before any change
-        grads = state["grads"]
-        if state.get("scaler") is not None and self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if grads is not None:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
-        self.step = state["step"]
-        self.num_updates = state["num_updates"]
-        self.pending = state["pending"]
-        self.mode = None if state["mode"] is None else _Mode(state["mode"])
-        self.total_host = float(state["total_host"])
-        self.total_device = state["total_device"]
-        self.losses = list(state.get("losses", []))
-        self.ref_n = state.get("ref_n", 1.0)
-        self.sync.restart()
+        self.check_state(state)  # before any change
+        _step_state.load(self, state, _Mode)
 
 
 def _shown(name: str, doc: str) -> Any:
@@ -337,16 +318,22 @@ class _StepAttributes:
     def epoch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted: windows never straddle epochs.
 
+        After :func:`~speedups.load_checkpoint` restored a window saved inside ``epoch()``, the next
+        ``epoch(loader)`` continues it: it is the same epoch, resumed mid-way (a
+        :class:`~speedups.DistributedLoader` must resume mid-epoch too, as its checkpoint makes it).
+
         Raises:
             SpeedupsError: a window of an earlier epoch is still pending (a loop broke out without flush()).
         """
         acc = self._acc()
         if acc.pending:
-            raise SpeedupsError(
-                f"accumulate(...).epoch(loader): {acc.pending} micro-steps of an earlier epoch are still "
-                f"pending. Call train_step.flush() before starting a new epoch."
-            )
-        yield from batches
+            _step_state.check_continues(acc, batches)
+        acc.resumed_in_epoch = False
+        acc.in_epoch = True
+        try:
+            yield from batches
+        finally:
+            acc.in_epoch = False
         acc.flush()
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,10 +346,17 @@ class _StepAttributes:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (the pending gradients too).
 
+        Loaded before the first fp16 call, the saved loss scale waits for the step's GradScaler and is
+        applied when ``mixed_precision`` hands it over: saving the step alone resumes fp16 exactly.
+
         Raises:
             ValueError: not such a dict, or made with another window size or model (nothing changed).
         """
         self._acc().load_state_dict(state)
+
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        self._acc().check_state(state)
 
 
 class _BoundStep(_StepAttributes, wrapt.BoundFunctionWrapper):

@@ -1,11 +1,13 @@
-"""Checkpoints that survive a crash and resume a distributed run exactly where it stopped.
+"""Checkpoints that survive a crash, resume a run bit for bit, and load into any wrapper of the model.
 
 ``save_checkpoint(path, model=..., optimizer=..., loader=...)`` stores the ``state_dict()`` of every object
-passed by name (the unwrapped keys of a DDP model), plain values (``step=120``) and the RNG states of every
-rank. Rank 0 writes a temporary file next to ``path`` and renames it over ``path`` (``os.replace`` is atomic),
-so a crash mid-write leaves the previous checkpoint intact; the other ranks wait until the file is complete.
-``load_checkpoint(path, model=..., optimizer=..., loader=...)`` checks everything first and only then loads.
-FSDP2 models go through ``torch.distributed.checkpoint`` (a directory of shards, each rank writes its own).
+passed by name (a model's plain keys, whatever wraps it), plain values (``step=120``) and the RNG states of
+every rank, as a plain dict (layout in :mod:`speedups._checkpoint_file`). Rank 0 writes a temporary file
+next to ``path`` and renames it over ``path`` (atomic); the other ranks wait until the file is complete.
+``load_checkpoint(path, model=..., optimizer=..., loader=...)`` checks every entry first
+(:mod:`speedups._checkpoint_checks`) and only then loads; it also loads foreign ``torch.save`` dicts
+(``keys={"model": "state_dict"}``). FSDP2 models go through ``torch.distributed.checkpoint`` (a directory
+of shards, each rank writes its own).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import copy
 import io
 import os
-import pickle
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedups import _env, _rng
+from speedups import _checkpoint_file, _env
+from speedups._checkpoint_checks import check_entry, is_checked
 from speedups._rng import get_rng_states, set_rng_states
-from speedups.distributed_loader import DistributedLoader
+from speedups._wrappers import unwrap
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
-_FORMAT = "speedups.checkpoint/1"
 _PLAIN = (type(None), bool, int, float, str, torch.Tensor)
 
 
@@ -80,42 +80,12 @@ def _split(
 
 
 def _unwrap(obj: Any) -> Any:
-    if isinstance(obj, nn.parallel.DistributedDataParallel):
-        return obj.module  # save the plain module's keys, loadable without DDP
-    return obj
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states (:func:`speedups._rng.get_rng_states`), in a form ``weights_only`` loads."""
-    state = get_rng_states()
-    if "numpy" in state:
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    return state
-
-
-def _set_rng_state(saved: dict[str, Any]) -> None:
-    """Undo :func:`_rng_state`'s conversions and restore; states of devices or libraries absent here are
-    skipped."""
-    state = dict(saved)
-    kind, *rest = state["random"]
-    state["random"] = (kind, tuple(rest[0]), *rest[1:])  # weights_only loading turns tuples into lists
-    np = _rng.numpy_or_none()
-    if "numpy" in state:
-        if np is None:
-            del state["numpy"]
-        else:
-            kind, keys, pos, has_gauss, cached = state["numpy"]
-            state["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-    if "cuda" in state and not torch.cuda.is_available():
-        del state["cuda"]
-    if "mps" in state and not _rng.mps_available():
-        del state["mps"]
-    set_rng_states(state)
+    """The object whose state is saved: a model without its DDP / DataParallel / torch.compile wrappers."""
+    return unwrap(obj) if isinstance(obj, nn.Module) else obj
 
 
 def _gather_rng() -> list[dict[str, Any]]:
-    mine = _rng_state()
+    mine = _checkpoint_file.rng_to_file(get_rng_states())
     if not _pg():
         return [mine]
     every: list[Any] = [None] * torch.distributed.get_world_size()
@@ -127,13 +97,14 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     """Save every named object's ``state_dict()``, plain values and every rank's RNG states to ``path``.
 
     Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the RNG
-    gather, and a final wait); rank 0 alone writes. The file is written to a temporary name in the same
-    directory, flushed to disk, then renamed over ``path`` (atomic), so a crash mid-write never leaves a
-    broken checkpoint; the other ranks return only once the file is complete. A DDP model is saved as its
-    unwrapped ``.module``, so its keys load into a plain model too. A :class:`~speedups.DistributedLoader`
-    saves its epoch and position, so :func:`load_checkpoint` resumes mid-epoch without replaying or skipping
-    a batch. With an FSDP2 model (``ddp_wrap(model, strategy="fsdp")``), ``path`` is a directory written by
-    ``torch.distributed.checkpoint`` (each rank writes its shards; no full copy is gathered).
+    gather, and a final wait); rank 0 alone writes, to a temporary name in the same directory, flushed to
+    disk, then renamed over ``path`` (atomic: a crash mid-write never leaves a broken checkpoint). The mode
+    follows the umask, as with ``torch.save``. A model is saved without wrapper prefixes (DDP ``module.``,
+    ``torch.compile``'s ``_orig_mod.``), so it loads into the plain or any wrapped model. The file is a
+    plain dict (``torch.load(path, weights_only=True)`` reads it without speedups): ``{name: state_dict or
+    value, ..., "_speedups": {format, world size, class names, RNG states}}``. A
+    :class:`~speedups.DistributedLoader` saves its epoch and position, so a resumed run continues with the
+    next batch. With an FSDP2 model, ``path`` is a directory written by ``torch.distributed.checkpoint``.
 
     Sync points: the ``state_dict()`` calls (a device-to-host copy for some), an ``all_gather_object`` of the
     RNG states and a broadcast from rank 0 after the write.
@@ -141,7 +112,8 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     Args:
         path: the checkpoint file (its directory is created), or directory for FSDP2.
         **state: objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler, loader,
-            LossTracker, @accumulate step) and plain values (``step=120``), by the names used to load them.
+            LossTracker, @accumulate step, mixed_precision) and plain values (``step=120``), by the names
+            used to load them.
 
     Returns:
         ``path`` as a ``Path``.
@@ -149,14 +121,15 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     Raises:
         TypeError: a value is neither stateful nor plain data.
         ValueError: nothing passed, or a name starts with ``_``.
-        SpeedupsError: rank 0 could not write the file (raised on every rank).
+        SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank).
 
     Example:
         >>> import tempfile, os
-        >>> net = nn.Linear(2, 1)
-        >>> d = tempfile.mkdtemp()
-        >>> _ = save_checkpoint(os.path.join(d, "ckpt.pt"), model=net, step=3)
-        >>> load_checkpoint(os.path.join(d, "ckpt.pt"), model=nn.Linear(2, 1))
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> _ = save_checkpoint(path, model=nn.Linear(2, 1), step=3)
+        >>> sorted(torch.load(path, weights_only=True))    # plain entries, readable without speedups
+        ['_speedups', 'model', 'step']
+        >>> load_checkpoint(path, model=nn.Linear(2, 1))
         {'step': 3}
     """
     objects, plain = _split("save_checkpoint", state)
@@ -165,27 +138,19 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
         _save_dcp(path, objects, plain)
         return path
-    payload = {
-        "format": _FORMAT,
+    targets = {name: _unwrap(obj) for name, obj in objects.items()}
+    payload: dict[str, Any] = {name: target.state_dict() for name, target in targets.items()}
+    payload.update(plain)
+    payload[_checkpoint_file.META] = {
+        "format": _checkpoint_file.FORMAT,
         "world_size": _env.world_size(),
-        "objects": {name: _unwrap(obj).state_dict() for name, obj in objects.items()},
-        "plain": plain,
+        "objects": {name: type(target).__name__ for name, target in targets.items()},
         "rng": _gather_rng(),
     }
     error = ""
     if _env.rank() == 0:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(payload, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            _checkpoint_file.write(path, payload)
         except OSError as err:
             error = f"{type(err).__name__}: {err}"
     if _pg():
@@ -195,48 +160,57 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     if error:
         raise SpeedupsError(
             f"save_checkpoint({str(path)!r}): rank 0 could not write the checkpoint ({error}). "
-            f"Check that the directory is writable and has space."
+            f"Check that the path is a file name in a writable directory with space."
         )
     return path
 
 
-def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
-    """Load what :func:`save_checkpoint` wrote into the named objects, after checking everything first.
+def load_checkpoint(
+    path: str | os.PathLike[str], *, keys: Mapping[str, str] | None = None, **state: Any
+) -> dict[str, Any]:
+    """Load a checkpoint into the named objects, after checking every entry; return its plain values.
 
-    Every rank reads the file (onto the CPU; ``load_state_dict`` moves values to each parameter's device).
-    Before any object changes, it checks that the file is a speedups checkpoint, that every name passed was
-    saved, that a model's keys and shapes match exactly, that an optimizer has the same parameter groups, and
-    that a mid-epoch loader has the world size it was saved with; only then does it load each object and
-    restore this rank's RNG states (skipped, with a warning, if the world size changed). Plain values saved
-    (``step=120``) are returned. Loaded with ``torch.load(weights_only=True)``.
+    **Where to call it:** after building the model, optimizer, scheduler, loader and ``@accumulate`` step,
+    and *before* the loop starts iterating the loader (before ``iter(loader)``, ``for batch in loader`` or
+    ``train_step.epoch(loader)``). Then the resumed run equals the uninterrupted one bit for bit: weights,
+    optimizer, loss scale, tracker and the batch order, with every RNG restored at the point it was saved
+    (a loader still being iterated is refused with a SpeedupsError that says so).
 
-    Every rank must pass the same ``path`` (on shared storage for several nodes): rank 0 wrote it.
+    Before any object changes it checks: every name was saved; a model's keys and shapes (wrapper prefixes
+    removed on both sides, so DDP / ``torch.compile`` / plain load into each other); an optimizer's class,
+    its groups' hyperparameter keys and sizes and its state's shapes; a scheduler's class and keys; and that
+    every speedups object accepts its entry. Other objects load first and are put back if one fails.
+
+    A foreign file (any ``torch.save`` dict) loads too: ``keys`` maps argument names to its entries, e.g.
+    ``load_checkpoint(path, model=m, optimizer=o, keys={"model": "state_dict"})`` returns its other entries
+    (``{"epoch": 3, ...}``); no RNG state is restored from it. Every rank passes the same ``path``.
 
     Sync points: none beyond the copies ``load_state_dict`` makes to each parameter's device; no
     collective (FSDP2 through ``torch.distributed.checkpoint``, which is collective).
 
-    Example:
-        >>> import tempfile, os
-        >>> model = torch.nn.Linear(2, 1)
-        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
-        >>> _ = save_checkpoint(path, model=model, step=7)  # returns the path written
-        >>> load_checkpoint(path, model=torch.nn.Linear(2, 1))
-        {'step': 7}
-
     Args:
-        path: the file (or FSDP2 directory) :func:`save_checkpoint` wrote.
-        **state: the objects to restore, by the names they were saved under (a subset is fine).
+        path: the file (or FSDP2 directory) to read.
+        keys: argument name -> the file's entry, where they differ (``{"model": "state_dict"}``).
+        **state: the objects to restore, by name (a subset of what was saved is fine).
 
     Returns:
-        A dict of the plain values that were saved.
+        The plain values saved (``{"epoch": 3}``); for a foreign file, every entry not loaded.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
-        TypeError: a value has no ``load_state_dict``.
-        SpeedupsError: the file is not a speedups checkpoint, a name is missing from it, or a model or
-            optimizer does not match what was saved. Nothing has been changed when it raises: what is
-            checked is checked before anything loads, and if another object's own ``load_state_dict``
-            raises, the objects loaded before it are put back.
+        FileNotFoundError: no file at ``path``.
+        TypeError, ValueError: a value has no ``load_state_dict``; ``keys`` is not a dict of names, or
+            names an object not passed; an entry a speedups object refuses.
+        SpeedupsError: the file is a directory, empty, truncated, damaged or not a dict (the message names
+            it); an entry is missing; a model, optimizer or scheduler does not match it. Nothing has
+            changed when it raises.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "theirs.pt")
+        >>> net = torch.nn.Linear(2, 1)
+        >>> torch.save({"epoch": 3, "state_dict": net.state_dict()}, path)    # a foreign layout
+        >>> load_checkpoint(path, model=torch.nn.Linear(2, 1), keys={"model": "state_dict"})
+        {'epoch': 3}
     """
     objects, extra = _split("load_checkpoint", state, allow_empty=True)
     if extra:
@@ -244,47 +218,84 @@ def load_checkpoint(path: str | os.PathLike[str], **state: Any) -> dict[str, Any
             f"load_checkpoint({', '.join(f'{k}=...' for k in extra)}): plain values cannot be loaded into; "
             f"they are returned: values = load_checkpoint(path, model=model)."
         )
+    entry_of = _check_keys(keys, objects)
     path = Path(path)
+    said = f"load_checkpoint({str(path)!r})"
     fsdp = _fsdp_type()
     if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+        if keys:
+            raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
         return _load_dcp(path, objects)
-    if not path.is_file():
-        raise FileNotFoundError(f"load_checkpoint({str(path)!r}): no checkpoint file there.")
-    said = f"load_checkpoint({str(path)!r})"
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpeedupsError(
-            f"{said}: not a checkpoint written by speedups.save_checkpoint (torch.load: {first}). "
-            f"Pass the path save_checkpoint wrote."
-        ) from err
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise SpeedupsError(f"{said}: not a checkpoint written by speedups.save_checkpoint.")
-    saved = payload["objects"]
-    missing = sorted(set(objects) - set(saved))
+    contents = _checkpoint_file.read(path, said)
+    entries = contents.entries
+    missing = [name for name in objects if entry_of[name] not in entries]
     if missing:
-        raise SpeedupsError(f"{said}: {missing} were not saved; it holds {sorted(saved)}.")
-    for name, obj in objects.items():
-        _check(said, name, _unwrap(obj), saved[name])
-    _load_all(objects, saved)
-    _restore_rng(payload["rng"])
-    return dict(payload["plain"])
+        raise SpeedupsError(_missing(said, missing, entry_of, contents))
+    classes = contents.objects or {}
+    ready = {
+        name: check_entry(said, name, entry_of[name], _unwrap(obj), entries[entry_of[name]],
+                          classes.get(entry_of[name]))
+        for name, obj in objects.items()
+    }  # fmt: skip
+    _load_all(objects, ready)
+    if contents.rng is not None:
+        _restore_rng(contents.rng)
+    used = set(entry_of.values())
+    if contents.foreign:
+        return {k: v for k, v in entries.items() if k not in used}
+    return {k: v for k, v in entries.items() if k not in classes and k not in used}
 
 
-def _load_all(objects: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Load every object, all or none: if one ``load_state_dict`` raises, the ones loaded before it are put
-    back. Objects whose checkpoint was checked beforehand (models, optimizers, loaders) load last; the
-    others (any object with a ``state_dict``, checked only by its own ``load_state_dict``) load first,
-    each after a copy of its current state is taken."""
-    checked = (nn.Module, torch.optim.Optimizer, DistributedLoader)
-    order = sorted(objects.items(), key=lambda item: isinstance(_unwrap(item[1]), checked))
+def _check_keys(keys: Any, objects: dict[str, Any]) -> dict[str, str]:
+    """Validate ``keys=``; return the file's entry for every object passed."""
+    if keys is None:
+        return {name: name for name in objects}
+    said = f"load_checkpoint(path, keys={keys!r})"
+    if not isinstance(keys, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in keys.items()
+    ):
+        raise TypeError(
+            f"{said}: expected a dict of argument name -> entry name, e.g. keys={{'model': 'state_dict'}}."
+        )
+    unknown = sorted(set(keys) - set(objects))
+    if unknown:
+        raise ValueError(
+            f"{said}: {unknown} name no object passed to load_checkpoint (passed: {sorted(objects)}). "
+            f"Pass the object too: load_checkpoint(path, {unknown[0]}=..., keys=...)."
+        )
+    return {name: keys.get(name, name) for name in objects}
+
+
+def _missing(said: str, missing: list[str], entry_of: dict[str, str], contents: Any) -> str:
+    held = sorted(contents.entries)
+    absent = [entry_of[n] for n in missing]
+    if not contents.foreign:
+        return f"{said}: {absent} were not saved; it holds {held}."
+    example = ", ".join(f"{n!r}: '...'" for n in missing)
+    hint = ""
+    if contents.entries and all(isinstance(v, torch.Tensor) for v in contents.entries.values()):
+        hint = (
+            " It looks like a bare model state_dict: load it with "
+            "model.load_state_dict(torch.load(path, weights_only=True))."
+        )
+    return (
+        f"{said}: not a checkpoint written by speedups.save_checkpoint (a plain torch.save dict), and it has "
+        f"no entry {absent}; it holds {held[:12]}{' ...' if len(held) > 12 else ''}. Map the names to its "
+        f"entries: load_checkpoint(path, ..., keys={{{example}}}).{hint}"
+    )
+
+
+def _load_all(objects: dict[str, Any], ready: dict[str, Any]) -> None:
+    """Load every object, all or none: objects checked beforehand (models, optimizers, schedulers, speedups
+    objects) load last; any other object loads first, after a copy of its state is taken, and is put back if
+    a later ``load_state_dict`` raises."""
+    order = sorted(objects.items(), key=lambda item: is_checked(_unwrap(item[1])))
     done: list[tuple[Any, Any]] = []
     try:
         for name, obj in order:
             target = _unwrap(obj)
-            before = None if isinstance(target, checked) else copy.deepcopy(target.state_dict())
-            target.load_state_dict(saved[name])
+            before = None if is_checked(target) else copy.deepcopy(target.state_dict())
+            target.load_state_dict(ready[name])
             done.append((target, before))
     except Exception:
         for target, before in reversed(done):
@@ -296,7 +307,7 @@ def _load_all(objects: dict[str, Any], saved: dict[str, Any]) -> None:
 def _restore_rng(every: list[dict[str, Any]]) -> None:
     world, rank = _env.world_size(), _env.rank()
     if len(every) == world:
-        _set_rng_state(every[rank])
+        set_rng_states(_checkpoint_file.rng_from_file(every[rank]))
     elif rank == 0:
         warnings.warn(
             f"load_checkpoint: saved with world size {len(every)}, loaded with {world}; RNG states were not "
@@ -304,48 +315,6 @@ def _restore_rng(every: list[dict[str, Any]]) -> None:
             SpeedupsWarning,
             stacklevel=3,
         )
-
-
-def _check(said: str, name: str, obj: Any, saved: Any) -> None:
-    if isinstance(obj, nn.Module):
-        own = obj.state_dict()
-        if set(own) != set(saved):
-            raise SpeedupsError(
-                f"{said}: {name}'s keys differ from the checkpoint's: "
-                f"missing {sorted(set(own) - set(saved))}, "
-                f"unexpected {sorted(set(saved) - set(own))}. Build the same model before loading."
-            )
-        for key, value in own.items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(saved[key].shape):
-                raise SpeedupsError(
-                    f"{said}: {name}.{key} has shape {tuple(value.shape)} here and "
-                    f"{tuple(saved[key].shape)} in the checkpoint. Build the same model before loading."
-                )
-    elif isinstance(obj, torch.optim.Optimizer):
-        here = [len(g["params"]) for g in obj.param_groups]
-        there = [len(g["params"]) for g in saved.get("param_groups", [])]
-        if here != there:
-            raise SpeedupsError(
-                f"{said}: optimizer {name} has parameter groups of sizes {here} here and {there} in the "
-                f"checkpoint. Build the optimizer over the same parameters before loading."
-            )
-        params = [p for g in obj.param_groups for p in g["params"]]
-        ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
-        for param, index in zip(params, ids, strict=True):
-            for key, value in saved.get("state", {}).get(index, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    raise SpeedupsError(
-                        f"{said}: optimizer {name}'s state {key!r} of parameter {index} has shape "
-                        f"{tuple(value.shape)} in the checkpoint, the parameter {tuple(param.shape)} here. "
-                        f"Build the optimizer over the same model before loading."
-                    )
-    elif isinstance(obj, DistributedLoader):
-        world = obj.distributed_sampler.num_replicas
-        if saved.get("batches") and saved.get("world_size") != world:
-            raise SpeedupsError(
-                f"{said}: loader {name} was saved mid-epoch with world size {saved.get('world_size')} and is "
-                f"loaded with {world}: the batches would not line up. Resume with the same world size."
-            )
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2

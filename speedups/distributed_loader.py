@@ -8,6 +8,7 @@ from :meth:`DistributedLoader.state_dict`. In a plain process (world size 1) the
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.data import (
 )
 
 from speedups import _env, _validate
+from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
 
@@ -72,6 +74,13 @@ class DistributedLoader(DataLoader):
         self._next_epoch = 0
         self._resume_batches = 0
         self._current: tuple[int, int] | None = None  # (epoch, batches handed out) of the pass in progress
+        self._live: weakref.ref[_Counting] | None = None  # the iterator of the pass in progress
+        # The state of the generator the workers' base seed was drawn from, taken just before the draw (a
+        # pass's iterator draws once: from ``generator``, else the global torch RNG), and the one to draw
+        # from instead after a restore: a resumed pass then draws nothing the uninterrupted run did not.
+        self._seed_state: torch.Tensor | None = None
+        self._replay_seed: torch.Tensor | None = None
+        self._workers_started = False  # persistent workers: only the first iterator draws a base seed
         self.epoch = -1
         """Epoch of the current or last pass; -1 before the first."""
 
@@ -102,66 +111,139 @@ class DistributedLoader(DataLoader):
         self._next_epoch, self._resume_batches = epoch + 1, 0
         self.epoch = epoch
         self._current = (epoch, skip)
-        return _Counting(self, super().__iter__(), epoch, skip)
+        counting = _Counting(self, self._inner_iterator(), epoch, skip)
+        self._live = weakref.ref(counting)
+        return counting
+
+    def _inner_iterator(self) -> Iterator[Any]:
+        """The DataLoader's iterator; its one base-seed draw replays a restored one instead of a new draw."""
+        replay, self._replay_seed = self._replay_seed, None
+        persistent = bool(self.persistent_workers and self.num_workers > 0)
+        if persistent and self._workers_started:
+            return super().__iter__()  # the same workers: torch draws no new base seed
+        source = self.generator if self.generator is not None else torch.default_generator
+        if replay is None:
+            self._seed_state = source.get_state()
+            inner = super().__iter__()
+        else:  # resumed: the draw the uninterrupted run made before the checkpoint, made again from its state
+            self._seed_state = replay
+            now = source.get_state()
+            source.set_state(replay)
+            try:
+                inner = super().__iter__()
+            finally:
+                source.set_state(now)
+        self._workers_started = persistent
+        return inner
 
     def state_dict(self) -> dict[str, Any]:
-        """Return ``{"epoch", "batches", "world_size", "rank"}``: where the next batch comes from. No sync."""
+        """Return where the next batch comes from, and what the next pass must draw. No sync.
+
+        Keys: ``epoch`` and ``batches`` (the position), ``world_size`` and ``rank``, ``seed_state`` (the RNG
+        state the running pass drew its workers' base seed from, so a resumed pass draws the same seed
+        without touching the global RNG; None at an epoch boundary, where the next pass draws afresh as an
+        uninterrupted run does) and ``generator`` (the state of the loader's ``generator``, or None).
+        """
         epoch, batches = (
             self._current if self._current is not None else (self._next_epoch, self._resume_batches)
         )
+        keep_seed = self._current is not None or self._workers_started or self._replay_seed is not None
+        seed = self._replay_seed if self._replay_seed is not None else self._seed_state
         return {
             "epoch": epoch,
             "batches": batches,
             "world_size": self.distributed_sampler.num_replicas,
             "rank": self.distributed_sampler.rank,
+            "seed_state": seed.clone() if keep_seed and seed is not None else None,
+            "generator": None if self.generator is None else self.generator.get_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next ``iter()`` runs epoch ``state["epoch"]`` from batch ``state["batches"]``.
-
-        Raises:
-            ValueError: ``state`` is not what :meth:`state_dict` returns, or it is mid-epoch and was saved
-                with another world size (its batches would not line up).
-        """
-        expected = {"epoch", "batches", "world_size", "rank"}
-        if not isinstance(state, dict) or set(state) != expected:
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        said = "DistributedLoader.load_state_dict(state)"
+        required, optional = {"epoch", "batches", "world_size", "rank"}, {"seed_state", "generator"}
+        if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"DistributedLoader.load_state_dict(state): expected keys {sorted(expected)}, got {got}. "
+                f"{said}: expected keys {sorted(required | optional)}, got {got}. "
                 f"Pass what DistributedLoader.state_dict() returned."
             )
         for key in ("epoch", "batches"):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"DistributedLoader.load_state_dict(state): state[{key!r}]={value!r}, "
-                    f"expected an int >= 0."
-                )
+                raise ValueError(f"{said}: state[{key!r}]={value!r}, expected an int >= 0.")
         samples, size = self.distributed_sampler.num_samples, self._batch_size()
         drop_last = self.batch_sampler is not None and bool(getattr(self.batch_sampler, "drop_last", False))
         per_epoch = samples // size if drop_last else -(-samples // size)
         if state["batches"] > per_epoch:
             raise ValueError(
-                f"DistributedLoader.load_state_dict(state): state['batches']={state['batches']} but an epoch "
+                f"{said}: state['batches']={state['batches']} but an epoch "
                 f"of this loader has {per_epoch} batches on this rank. Resume with the same loader settings."
             )
         world = self.distributed_sampler.num_replicas
         if state["batches"] and state["world_size"] != world:
             raise ValueError(
-                f"DistributedLoader.load_state_dict(state): saved mid-epoch with world size "
+                f"{said}: saved mid-epoch with world size "
                 f"{state['world_size']}, loaded with {world}: the batches would not line up. Resume with the "
                 f"same world size, or from a checkpoint taken at an epoch boundary."
             )
+        for key in ("seed_state", "generator"):
+            value = state.get(key)
+            if value is not None and not _is_generator_state(value):
+                raise ValueError(
+                    f"{said}: state[{key!r}] is not a CPU generator state (a uint8 tensor from "
+                    f"torch.Generator.get_state()). Pass what DistributedLoader.state_dict() returned."
+                )
+        if state.get("generator") is not None and self.generator is None:
+            raise ValueError(
+                f"{said}: the loader was saved with its own generator= and this one has none. Build it as "
+                f"it was built: DataLoader(..., generator=torch.Generator()) or fast_loader(..., seed=0)."
+            )
+        live = None if self._live is None else self._live()
+        if live is not None and not live.finished:
+            raise SpeedupsError(
+                f"{said}: an iterator of this loader is still running (epoch {live.epoch}, "
+                f"{live.done} batches handed out): it was built before the restore and would go on from the "
+                f"old position. Load the checkpoint before the loop starts: load_checkpoint(path, "
+                f"loader=loader, ...) first, then `for batch in loader:` (or train_step.epoch(loader))."
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``iter()`` runs epoch ``state["epoch"]`` from batch ``state["batches"]``.
+
+        Call it (or :func:`~speedups.load_checkpoint`) before ``iter(loader)``: the next pass then draws the
+        same base seed for its workers as the uninterrupted run, without consuming the global RNG.
+
+        Raises:
+            ValueError: ``state`` is not what :meth:`state_dict` returns, or it is mid-epoch and was saved
+                with another world size (its batches would not line up).
+            SpeedupsError: an iterator of this loader is still running (load before the loop).
+        """
+        self._check_state(state)
         self._next_epoch, self._resume_batches = int(state["epoch"]), int(state["batches"])
         self._current = None
+        self._replay_seed = None if state.get("seed_state") is None else state["seed_state"].clone()
+        if state.get("generator") is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
         self.distributed_sampler.start = self._resume_batches * self._batch_size()  # type: ignore[attr-defined]
+
+
+def _is_generator_state(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        return False
+    try:
+        torch.Generator().set_state(value)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
 
 
 class _Counting:
     """The DataLoader's iterator, counting batches handed out so the loader knows its position."""
 
     def __init__(self, loader: DistributedLoader, inner: Iterator[Any], epoch: int, skip: int) -> None:
-        self._loader, self._inner, self._epoch, self._done = loader, inner, epoch, skip
+        self._loader, self._inner, self.epoch, self.done = loader, inner, epoch, skip
+        self.finished = False
 
     def __iter__(self) -> _Counting:
         return self
@@ -173,12 +255,13 @@ class _Counting:
         try:
             batch = next(self._inner)
         except StopIteration:
-            if self._loader._current is not None and self._loader._current[0] == self._epoch:
+            self.finished = True
+            if self._loader._current is not None and self._loader._current[0] == self.epoch:
                 self._loader._current = None  # finished: the next pass is the next epoch
             raise
-        self._done += 1
-        if self._loader._current is not None and self._loader._current[0] == self._epoch:
-            self._loader._current = (self._epoch, self._done)
+        self.done += 1
+        if self._loader._current is not None and self._loader._current[0] == self.epoch:
+            self._loader._current = (self.epoch, self.done)
         return batch
 
 

@@ -287,27 +287,45 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         """Restore what :meth:`state_dict` returned (the loss scale and its growth tracker).
 
         Raises:
-            ValueError: ``state`` is not such a dict, or holds a scaler state while this object has none.
+            ValueError: ``state`` is not such a dict, or was saved with another dtype (a scaler state while
+                this object has none, or the reverse).
         """
+        self._check_state(state)  # before anything changes
+        if state["scaler"] is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        said = "mixed_precision.load_state_dict(state)"
         if not isinstance(state, dict) or set(state) != {"dtype", "scaler"}:
             raise ValueError(
-                f"mixed_precision.load_state_dict(state): expected the dict of mixed_precision.state_dict() "
+                f"{said}: expected the dict of mixed_precision.state_dict() "
                 f"with keys ['dtype', 'scaler'], got {sorted(state) if isinstance(state, dict) else state!r}."
             )
         if state["scaler"] is not None and not (
             isinstance(state["scaler"], dict) and {"scale", "_growth_tracker"} <= set(state["scaler"])
         ):
             raise ValueError(
-                "mixed_precision.load_state_dict(state): state['scaler'] is not a GradScaler state "
+                f"{said}: state['scaler'] is not a GradScaler state "
                 "(expected a dict with 'scale' and '_growth_tracker'). Pass what state_dict() returned."
             )
-        if state["scaler"] is not None:
-            if self.scaler is None:
-                raise ValueError(
-                    f"mixed_precision.load_state_dict(state): the checkpoint has a GradScaler (fp16) but "
-                    f"this object is {self!r}. Create it with mixed_precision('fp16') to resume."
-                )
-            self.scaler.load_state_dict(state["scaler"])
+        here = None if self.dtype is None else str(self.dtype)
+        if state["scaler"] is not None and self.scaler is None:
+            raise ValueError(
+                f"{said}: the checkpoint has a GradScaler (fp16) but "
+                f"this object is {self!r}. Create it with mixed_precision('fp16') to resume."
+            )
+        if state["dtype"] != here:
+            saved = {"torch.bfloat16": "'bf16'", "torch.float16": "'fp16'"}.get(str(state["dtype"]), "")
+            fix = (
+                f"Create it with mixed_precision({saved}) to resume"
+                if saved
+                else "Create it with enabled=False"
+            )
+            raise ValueError(
+                f"{said}: saved with dtype {state['dtype']}, this object is {self!r}. {fix}, or leave it "
+                f"out of load_checkpoint to change precision on purpose."
+            )
 
 
 def _check_device_type(device_type: object, dtype: object, *, enabled: bool = True) -> str:

@@ -302,6 +302,17 @@ class LossTracker:
             ValueError: ``state`` lacks a key, has one this class does not know, or holds a value of the
                 wrong kind (the tracker is unchanged then).
         """
+        totals, updates, history = self._check_state(state)  # before anything changes
+        self.reset()
+        self.history = history
+        dist = torch.distributed
+        if state.get("all_ranks") and _env.pg_ready() and dist.get_rank() != 0:
+            return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
+        self._host = totals
+        self._updates = updates
+
+    def _check_state(self, state: Any) -> tuple[list[float], int, list[float]]:
+        """Check ``state`` as :meth:`load_state_dict` does, changing nothing; return its converted values."""
         call = "LossTracker.load_state_dict(state)"
         expected = {"sum", "count", "nonfinite", "updates", "history"}
         if not isinstance(state, dict) or set(state) - {"all_ranks"} != expected:
@@ -310,7 +321,6 @@ class LossTracker:
                 f"{call}: expected a dict with keys {sorted(expected)}, "
                 f"got {got}. Pass what LossTracker.state_dict() returned."
             )
-        # Checked and converted before anything changes, so a bad dict leaves the tracker as it was.
         totals = []
         for key in ("sum", "count", "nonfinite"):
             value = state[key]
@@ -324,13 +334,7 @@ class LossTracker:
             isinstance(v, numbers.Real) and not isinstance(v, bool) for v in history
         ):
             raise ValueError(f"{call}: state['history'] must be a list of numbers, got {history!r}.")
-        self.reset()
-        self.history = [float(v) for v in history]
-        dist = torch.distributed
-        if state.get("all_ranks") and _env.pg_ready() and dist.get_rank() != 0:
-            return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
-        self._host = totals
-        self._updates = updates
+        return totals, updates, [float(v) for v in history]
 
 
 def _dtype(device: torch.device) -> torch.dtype:

@@ -114,7 +114,7 @@ def test_ddp_state_is_saved_with_the_plain_modules_keys(tmp_path: Path) -> None:
     model = nn.Linear(2, 1)
     save_checkpoint(tmp_path / "c.pt", model=model)
     raw = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert set(raw["objects"]["model"]) == {"weight", "bias"}
+    assert set(raw["model"]) == {"weight", "bias"}
 
 
 def test_tracker_all_ranks_without_a_process_group_reads_local_values() -> None:
@@ -177,3 +177,218 @@ def test_a_file_that_is_not_a_checkpoint_is_a_clear_error(tmp_path: Path) -> Non
     torch.save({"weights": torch.ones(2)}, other)  # a torch file, but not ours
     with pytest.raises(SpeedupsError, match=r"not a checkpoint written by speedups\.save_checkpoint"):
         load_checkpoint(other, model=nn.Linear(2, 1))
+
+
+# ------------------------------------------------------------------------------ checked before any change
+def _snapshot(*objects) -> list:
+    import copy
+
+    return [copy.deepcopy(o.state_dict()) for o in objects]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _trained(seed: int = 0, opt_class=torch.optim.SGD, **opt_kwargs):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = opt_class(model.parameters(), lr=0.1, **opt_kwargs)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_an_optimizer_of_another_class_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    model, sgd = _trained(0, momentum=0.9)
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=sgd)
+    torch.save({"model": model.state_dict(), "optimizer": sgd.state_dict()}, tmp_path / "foreign.pt")
+    fresh, adam = _trained(1, torch.optim.Adam)
+    before = _snapshot(fresh, adam)
+    with pytest.raises(SpeedupsError, match="saved from optimizer class SGD, and this one is a Adam"):
+        load_checkpoint(tmp_path / "c.pt", model=fresh, optimizer=adam)
+    # A foreign file records no class: the parameter groups' hyperparameter keys tell.
+    with pytest.raises(SpeedupsError, match=r"hyperparameters \['dampening', 'momentum', 'nesterov'\]"):
+        load_checkpoint(tmp_path / "foreign.pt", model=fresh, optimizer=adam)
+    assert _same(_snapshot(fresh, adam), before)
+    adam.step()  # still a working Adam
+
+
+def test_bad_entries_are_refused_before_any_object_changes(tmp_path: Path) -> None:
+    from speedups import accumulate, mixed_precision
+
+    model, opt = _trained(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    tracker = LossTracker()
+    tracker.update(2.0)
+    loader = distributed(DataLoader(list(range(8)), batch_size=2, shuffle=True))
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, scheduler=sched, tracker=tracker,
+                    loader=loader, amp=mixed_precision("bf16", device_type="cpu"))  # fmt: skip
+    fresh, fresh_opt = _trained(1)
+    objects = {
+        "model": fresh,
+        "optimizer": fresh_opt,
+        "scheduler": torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1),
+        "tracker": LossTracker(),
+        "loader": distributed(DataLoader(list(range(8)), batch_size=2, shuffle=True)),
+    }
+    objects["tracker"].update(5.0)
+    cases = [
+        ({"scheduler": torch.optim.lr_scheduler.ExponentialLR(fresh_opt, 0.9)}, SpeedupsError,
+         "saved from scheduler class StepLR"),
+        ({"model": nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))}, SpeedupsError,
+         r"model.2.weight has shape \(2, 4\) here and \(1, 4\)"),
+        ({"model": nn.Linear(3, 1)}, SpeedupsError, r"missing \['bias', 'weight'\].*another model"),
+        ({"missing": LossTracker()}, SpeedupsError, r"\['missing'\] were not saved"),
+        ({"amp": mixed_precision("fp16", device_type="cpu")}, ValueError,
+         "amp: .*saved with dtype torch.bfloat16"),
+        ({"step": accumulate(2, fresh_opt)(lambda: fresh(torch.ones(1, 3)).sum())}, SpeedupsError,
+         r"\['step'\] were not saved"),
+    ]  # fmt: skip
+    for change, error, match in cases:
+        state = {**objects, **change}
+        before = _snapshot(*state.values())
+        with pytest.raises(error, match=match):
+            load_checkpoint(tmp_path / "c.pt", **state)
+        assert _same(_snapshot(*state.values()), before), match
+    with pytest.raises(SpeedupsError, match=r"no entry \['weights'\]|\['weights'\] were not saved"):
+        load_checkpoint(tmp_path / "c.pt", model=fresh, keys={"model": "weights"})
+    with pytest.raises(ValueError, match=r"\['modle'\] name no object passed"):
+        load_checkpoint(tmp_path / "c.pt", model=fresh, keys={"modle": "model"})
+    with pytest.raises(TypeError, match="expected a dict of argument name -> entry name"):
+        load_checkpoint(tmp_path / "c.pt", model=fresh, keys=["model"])  # type: ignore[arg-type]
+    load_checkpoint(tmp_path / "c.pt", **objects)  # the unchanged objects do load
+    assert objects["tracker"].compute() == 2.0
+
+
+def test_damaged_files_and_directories_are_named(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path / "c.pt", model=nn.Linear(3, 1), epoch=1)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        SpeedupsError, match=rf"{cut}.*torch.save archive of {len(data) // 2} bytes.*truncated"
+    ):
+        load_checkpoint(cut, model=nn.Linear(3, 1))
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(SpeedupsError, match=rf"{empty}.*empty \(0 bytes\)"):
+        load_checkpoint(empty, model=nn.Linear(3, 1))
+    with pytest.raises(SpeedupsError, match="is a directory, not a checkpoint file"):
+        load_checkpoint(tmp_path, model=nn.Linear(3, 1))
+    with pytest.raises(SpeedupsError, match=r"could not write.*is a directory"):
+        save_checkpoint(tmp_path, model=nn.Linear(3, 1))
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(SpeedupsError, match="holds a list, not a dict of entries"):
+        load_checkpoint(tmp_path / "list.pt")
+    torch.save({"model": _Opaque()}, tmp_path / "objects.pt")
+    with pytest.raises(
+        SpeedupsError, match=r"pickled Python objects that torch.load\(weights_only=True\) refuses"
+    ):
+        load_checkpoint(tmp_path / "objects.pt")
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_the_file_mode_follows_the_umask_like_torch_save(tmp_path: Path, umask: int) -> None:
+    import os
+
+    old = os.umask(umask)
+    try:
+        save_checkpoint(tmp_path / "ours.pt", x=1)
+        torch.save({"x": 1}, tmp_path / "torch.pt")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "ours.pt").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask == (tmp_path / "torch.pt").stat().st_mode & 0o777
+
+
+# ----------------------------------------------------------------------------------------------- portable
+def _walk_types(value) -> set[str]:
+    if isinstance(value, dict):
+        return {type(value).__module__} | {t for v in value.values() for t in _walk_types(v)}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__module__} | {t for v in value for t in _walk_types(v)}
+    return {type(value).__module__}
+
+
+def test_the_file_is_a_plain_dict_with_the_documented_layout(tmp_path: Path) -> None:
+    from speedups import accumulate
+
+    model, opt = _trained(0)
+    step = accumulate(2, opt)(lambda: model(torch.ones(1, 3)).sum())
+    step()
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=step, tracker=LossTracker(),
+                    loader=distributed(DataLoader(list(range(4)))), epoch=2)  # fmt: skip
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)  # plain types only, or weights_only refuses
+    assert not any(t.startswith("speedups") for t in _walk_types(raw))
+    assert set(raw) == {"model", "optimizer", "step", "tracker", "loader", "epoch", "_speedups"}
+    meta = raw["_speedups"]
+    assert meta["format"] == "speedups.checkpoint/2" and meta["world_size"] == 1 and len(meta["rng"]) == 1
+    assert meta["objects"] == {"model": "Sequential", "optimizer": "SGD", "step": "_Step",
+                               "tracker": "LossTracker", "loader": "DistributedLoader"}  # fmt: skip
+    assert _same(raw["model"], model.state_dict()) and raw["epoch"] == 2
+
+
+def test_wrapped_models_save_plain_keys_and_load_into_any_wrapper(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    compiled = torch.compile(plain, backend="eager")
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    save_checkpoint(tmp_path / "c.pt", model=compiled)
+    assert set(torch.load(tmp_path / "c.pt", weights_only=True)["model"]) == set(plain.state_dict())
+    for target in (
+        nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)),
+        torch.compile(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)), backend="eager"),
+        nn.DataParallel(torch.compile(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)), backend="eager")),
+    ):
+        load_checkpoint(tmp_path / "c.pt", model=target)
+        assert _same(target.state_dict() if isinstance(target, nn.Sequential) else
+                     {k.split("_orig_mod.")[-1]: v for k, v in target.state_dict().items()},
+                     plain.state_dict())  # fmt: skip
+    # Files written by others from wrapped models (DDP's `module.`, compile's `_orig_mod.`, both) load too.
+    for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
+        torch.save({"model": {prefix + k: v for k, v in plain.state_dict().items()}}, tmp_path / "w.pt")
+        target = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        assert load_checkpoint(tmp_path / "w.pt", model=target) == {}
+        assert _same(target.state_dict(), plain.state_dict())
+
+
+def test_foreign_checkpoints_load_through_keys(tmp_path: Path) -> None:
+    model, opt = _trained(0, torch.optim.Adam)
+    torch.save({"epoch": 3, "state_dict": model.state_dict(), "optimizer": opt.state_dict(), "best_acc": 0.9},
+               tmp_path / "theirs.pt")  # fmt: skip
+    fresh, fresh_opt = _trained(1, torch.optim.Adam)
+    rng = torch.get_rng_state()
+    values = load_checkpoint(
+        tmp_path / "theirs.pt", model=fresh, optimizer=fresh_opt, keys={"model": "state_dict"}
+    )
+    assert values == {"epoch": 3, "best_acc": 0.9}
+    assert _same(fresh.state_dict(), model.state_dict()) and _same(fresh_opt.state_dict(), opt.state_dict())
+    assert torch.equal(torch.get_rng_state(), rng)  # a foreign file has no RNG state to restore
+    with pytest.raises(SpeedupsError, match=r"no entry \['model'\]; it holds \['best_acc', 'epoch'.*keys="):
+        load_checkpoint(tmp_path / "theirs.pt", model=fresh)
+    with pytest.raises(SpeedupsError, match=r"model \(entry 'epoch'\) is a int, not a model's state_dict"):
+        load_checkpoint(tmp_path / "theirs.pt", model=fresh, keys={"model": "epoch"})
+    torch.save(model.state_dict(), tmp_path / "bare.pt")
+    with pytest.raises(SpeedupsError, match="looks like a bare model state_dict"):
+        load_checkpoint(tmp_path / "bare.pt", model=fresh)
+
+
+def test_checkpoints_of_the_first_layout_still_load(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    torch.save({"format": "speedups.checkpoint/1", "world_size": 1, "objects": {"model": model.state_dict()},
+                "plain": {"step": 4}, "rng": [{"torch": torch.get_rng_state(), "random": random.getstate()}]},
+               tmp_path / "v1.pt")  # fmt: skip
+    fresh = nn.Linear(2, 1)
+    assert load_checkpoint(tmp_path / "v1.pt", model=fresh) == {"step": 4}
+    assert _same(fresh.state_dict(), model.state_dict())

@@ -40,6 +40,10 @@ def test_a3_epochs_differ_ranks_disjoint_cover_all_agree_and_resume() -> None:
     assert _flat(again) == epochs[1][0] and again.epoch == 1
 
 
+def _position(state: dict) -> dict:
+    return {k: state[k] for k in ("epoch", "batches", "world_size", "rank")}
+
+
 def test_mid_epoch_state_resumes_without_replay_or_skip() -> None:
     base = DataLoader(list(range(22)), batch_size=3, shuffle=True, drop_last=False)
     full = distributed(base, rank=1, world_size=2)
@@ -47,12 +51,17 @@ def test_mid_epoch_state_resumes_without_replay_or_skip() -> None:
     it = iter(full)  # epoch 1
     first = [next(it).tolist() for _ in range(2)]
     state = full.state_dict()
-    assert state == {"epoch": 1, "batches": 2, "world_size": 2, "rank": 1}
+    assert _position(state) == {"epoch": 1, "batches": 2, "world_size": 2, "rank": 1}
+    # Mid-pass: the RNG state the pass drew its base seed from (the resumed pass redraws it from there).
+    assert state["seed_state"].dtype == torch.uint8 and state["generator"] is None
     rest = [b.tolist() for b in it]
-    assert full.state_dict() == {"epoch": 2, "batches": 0, "world_size": 2, "rank": 1}
+    after = full.state_dict()
+    assert _position(after) == {"epoch": 2, "batches": 0, "world_size": 2, "rank": 1}
+    assert after["seed_state"] is None  # an epoch boundary: the next pass draws afresh, as uninterrupted
     resumed = distributed(base, rank=1, world_size=2)
     resumed.load_state_dict(state)
-    assert resumed.state_dict() == state
+    again = resumed.state_dict()
+    assert _position(again) == _position(state) and torch.equal(again["seed_state"], state["seed_state"])
     assert len(resumed) == len(rest)
     assert [b.tolist() for b in resumed] == rest and first + rest != rest
     other = distributed(base, rank=1, world_size=4)
