@@ -334,7 +334,7 @@ def test_the_file_is_a_plain_dict_with_the_documented_layout(tmp_path: Path) -> 
     assert set(raw) == {"model", "optimizer", "step", "tracker", "loader", "epoch", "_speedups"}
     meta = raw["_speedups"]
     assert meta["format"] == "speedups.checkpoint/2" and meta["world_size"] == 1 and len(meta["rng"]) == 1
-    assert meta["objects"] == {"model": "Sequential", "optimizer": "SGD", "step": "_Step",
+    assert meta["objects"] == {"model": "Sequential", "optimizer": "SGD", "step": "Step",
                                "tracker": "LossTracker", "loader": "DistributedLoader"}  # fmt: skip
     assert _same(raw["model"], model.state_dict()) and raw["epoch"] == 2
 
