@@ -26,6 +26,7 @@ _SUM, _COUNT, _NONFINITE = 0, 1, 2
 _FOLD_EVERY = 256
 # Plain CPU tensors are read at once (not a sync there). Tests set it False to run the device path on a CPU.
 _CPU_READS_ARE_FREE = True
+_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 
 
 class LossTracker:
@@ -112,29 +113,25 @@ class LossTracker:
         if type(value) is torch.Tensor and value.is_cpu and _CPU_READS_ARE_FREE:
             # On the CPU a plain tensor holds its value already: reading it is not a sync, and a Python
             # number costs nothing to keep. The common call (a float loss, a positive int count) is checked
-            # inline so that it costs no more than the `.item()` it replaces.
-            if type(n) is int and n > 0:
-                try:
-                    v = value.item()  # a float for floating dtypes; int, bool or complex is refused below
-                except RuntimeError:  # more than one element: refused below with the usual message
-                    v = None
-                if type(v) is float:
-                    self._updates += 1
-                    host = self._host
-                    if math.isfinite(v):
-                        host[_SUM] += v * n
-                        host[_COUNT] += n
-                    else:
-                        host[_NONFINITE] += 1.0
-                    return
+            # inline so that it costs about what the `.item()` it replaces costs.
+            if type(n) is int and n > 0 and value.dtype in _NUMPY_FLOATS and value.numel() == 1:
+                v = value.numpy(force=True).item()  # see _cpu_number
+                self._updates += 1
+                host = self._host
+                if math.isfinite(v):
+                    host[_SUM] += v * n
+                    host[_COUNT] += n
+                else:
+                    host[_NONFINITE] += 1.0
+                return
             _check_value(value)
             _check_n(n)  # before anything is recorded
             if isinstance(n, torch.Tensor) and not (type(n) is torch.Tensor and n.is_cpu):
-                self._record(value.item(), n)  # a device count: the loss, read here, joins it there
+                self._record(_cpu_number(value), n)  # a device count: the loss, read here, joins it there
                 return
             self._updates += 1
             # A tensor count keeps its rule: not checked for positivity per update (a read checks the total).
-            self._add_host(value.item(), n.item() if isinstance(n, torch.Tensor) else n)
+            self._add_host(_cpu_number(value), _cpu_number(n) if isinstance(n, torch.Tensor) else n)
             return
         _check_value(value)
         _check_n(n)
@@ -370,6 +367,17 @@ class LossTracker:
             return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
         self._host = totals
         self._updates = updates
+
+
+def _cpu_number(t: torch.Tensor) -> float:
+    """The value of a one-element CPU tensor as a Python number, read through NumPy, not ``.item()``.
+
+    On the CPU neither is a sync; but ``profile_steps`` counts every ``.item()`` as one (a CPU tensor stands
+    in for a device in its tests), while it rightly counts a NumPy read of a CPU tensor as none.
+    """
+    if t.dtype not in _NUMPY_FLOATS and t.is_floating_point():  # bfloat16 has no NumPy dtype
+        t = t.detach().double()
+    return t.numpy(force=True).item()
 
 
 def _dtype(device: torch.device) -> torch.dtype:

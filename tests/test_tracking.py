@@ -63,7 +63,7 @@ def test_a4_tracker_holds_no_graph(update_path) -> None:
 
 
 def test_hundreds_of_updates_make_no_host_sync(monkeypatch) -> None:
-    monkeypatch.setattr(tracking, "_CPU_READS_ARE_FREE", False)  # the device path, on CPU tensors
+    monkeypatch.setattr(tracking, "_CPU_READS_ARE_FREE", False)  # the device path, on CPU stand-ins
     losses = [torch.rand(()) for _ in range(600)]  # more than one fold of the buffer (256)
     counts = [torch.tensor(3.0) for _ in range(600)]
     tracker = LossTracker()
@@ -124,6 +124,22 @@ def test_cpu_tensor_counts_follow_the_tensor_rule(update_path) -> None:
     empty.update(torch.tensor(5.0), n=torch.tensor(0.0))
     with pytest.raises(SpeedupsError, match=r"total item count is 0\.0"):
         empty.compute()
+
+
+def test_cpu_updates_are_not_reported_as_syncs_by_profile_steps() -> None:
+    """On the CPU the tracker's reads are no sync, so the profiler must not advise "use LossTracker"."""
+    from speedups import profile_steps
+
+    model = torch.nn.Linear(8, 1)
+    tracker = LossTracker()
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for x in prof.iter([torch.randn(4, 8) for _ in range(6)]):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            tracker.update(loss, len(x))
+            tracker.update(loss.detach().bfloat16(), n=torch.tensor(2))  # the general CPU path too
+    assert prof.summary().syncs_per_step == 0
+    assert "sync-bound" not in {a.rule for a in prof.advice()}
 
 
 def test_sync_counter_can_see_a_sync() -> None:
