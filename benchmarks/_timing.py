@@ -71,3 +71,19 @@ def save_chart(path: Path | str, title: str, ratios: Mapping[str, float], *, yla
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return shown(path)
+
+
+def write_section(topic: str, text: str) -> Path:
+    """Make ``text`` the ``## topic`` section of ``RESULTS/latest.md``, as ``python -m benchmarks`` does.
+
+    The other topics' sections are kept (sorted by name, like the suite's runner); the file is created with
+    a plain header if missing. Returns the file's path.
+    """
+    latest = RESULTS / "latest.md"
+    old = latest.read_text() if latest.exists() else "# Benchmark results\n"
+    header, *parts = old.split("\n## ")
+    kept = [f"## {p}" for p in parts if p.split(None, 1)[0] != topic]
+    section = f"## {topic}\n\n```\n{text.strip()}\n```\n"
+    latest.parent.mkdir(parents=True, exist_ok=True)
+    latest.write_text("\n".join([header.rstrip("\n") + "\n", *sorted([*kept, section])]))
+    return latest

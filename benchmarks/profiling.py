@@ -6,7 +6,8 @@
 Two workloads, one thread: a tiny MLP (64-64-10, batch 32: ~0.1 ms steps, the worst case for any per-step
 cost) and the example's CNN on 8x8 digits (batch 64: ~1 ms steps, closer to real training). Prints each
 variant's time per step and its ratio to the plain loop; writes benchmarks/results/profiling.png.
-Target: profile_steps() within 3% of the plain loop on realistic steps.
+Targets: profile_steps() within 3% of the plain loop on realistic steps; LossTracker.update no slower than
+the `.item()` it replaces (on CPU tensors it reads the value as `.item()` does: a CPU read is not a sync).
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(ratio_table(title, per_step, "plain loop", unit="ms/step"))
         overhead = per_step["profile_steps()"] / per_step["plain loop"] - 1
         extra_us = 1e3 * (per_step["profile_steps()"] - per_step["plain loop"])
-        print(f"profile_steps() overhead on the {name}: {100 * overhead:+.1f}% ({extra_us:+.1f} us/step)\n")
+        print(f"profile_steps() overhead on the {name}: {100 * overhead:+.1f}% ({extra_us:+.1f} us/step)")
+        tracked, item = per_step["plain + LossTracker"], per_step["plain + .item() per step"]
+        print(
+            f"LossTracker.update vs .item() per step on the {name}: {tracked / item:.3f}x "
+            f"({1e3 * (tracked - item):+.1f} us/step; target: no slower)\n"
+        )
         for v, ms in per_step.items():
             chart[f"{name}: {v}"] = ms / per_step["plain loop"]
     print(

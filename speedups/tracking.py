@@ -24,15 +24,19 @@ __all__ = ["LossTracker"]
 _SUM, _COUNT, _NONFINITE = 0, 1, 2
 # Device values are buffered and folded into the running state this many at a time.
 _FOLD_EVERY = 256
+# Plain CPU tensors are read at once (not a sync there). Tests set it False to run the device path on a CPU.
+_CPU_READS_ARE_FREE = True
+_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 
 
 class LossTracker:
     """A weighted running mean of scalar losses that holds no graph and never syncs until read.
 
-    ``update(loss, n)`` costs a few tiny device kernels and no host-device sync: the detached value is
-    added into a running ``(weighted sum, count)`` kept on the loss's device in float64 (float32 on MPS,
-    which has no float64). Reading the mean (``compute()``, ``float()``, ``str()``, a format spec,
-    ``state_dict()``) is one sync. Python floats are summed on the host and cost nothing on the device.
+    ``update(loss, n)`` on a GPU (or any device but the CPU) costs no host-device sync: the detached value
+    is added into a running ``(weighted sum, count)`` kept on the loss's device in float64 (float32 on MPS,
+    which has no float64), and reading the mean (``compute()``, ``float()``, ``str()``, a format spec,
+    ``state_dict()``) is one sync. On the CPU a read is not a sync (the value is already computed), so CPU
+    tensors and Python floats are read at once and summed on the host in float64: no cost beyond ``.item()``.
 
     Non-finite values (NaN, +-inf) are left out of the mean and counted in :attr:`num_nonfinite`: one
     diverged micro-batch should not turn the epoch's number into NaN and hide every other value. Reading a
@@ -89,7 +93,8 @@ class LossTracker:
     def update(self, value: torch.Tensor | float, n: int | float | torch.Tensor = 1) -> None:
         """Record one loss ``value`` that stands for ``n`` items (samples, tokens).
 
-        No host-device sync: the value is detached and added on its own device.
+        No host-device sync: a device value is detached and added on its own device; a CPU value (where
+        reading is not a sync) is read into a Python float, as cheap as ``.item()``.
 
         Args:
             value: a scalar loss: a 0-dim or one-element floating tensor on any device (its graph is not
@@ -105,16 +110,38 @@ class LossTracker:
 
         Nothing is recorded when it raises.
         """
+        if type(value) is torch.Tensor and value.is_cpu and _CPU_READS_ARE_FREE:
+            # On the CPU a plain tensor holds its value already: reading it is not a sync, and a Python
+            # number costs nothing to keep. The common call (a float loss, a positive int count) is checked
+            # inline so that it costs about what the `.item()` it replaces costs.
+            if type(n) is int and n > 0 and value.dtype in _NUMPY_FLOATS and value.numel() == 1:
+                v = value.numpy(force=True).item()  # see _cpu_number
+                self._updates += 1
+                host = self._host
+                if math.isfinite(v):
+                    host[_SUM] += v * n
+                    host[_COUNT] += n
+                else:
+                    host[_NONFINITE] += 1.0
+                return
+            _check_value(value)
+            _check_n(n)  # before anything is recorded
+            if isinstance(n, torch.Tensor) and not (type(n) is torch.Tensor and n.is_cpu):
+                self._record(_cpu_number(value), n)  # a device count: the loss, read here, joins it there
+                return
+            self._updates += 1
+            # A tensor count keeps its rule: not checked for positivity per update (a read checks the total).
+            self._add_host(_cpu_number(value), _cpu_number(n) if isinstance(n, torch.Tensor) else n)
+            return
         _check_value(value)
         _check_n(n)
+        self._record(value, n)
+
+    def _record(self, value: torch.Tensor | float, n: int | float | torch.Tensor) -> None:
+        """Record a checked ``value`` and ``n``: on the host for Python numbers, else on the device."""
         self._updates += 1
         if not isinstance(value, torch.Tensor) and not isinstance(n, torch.Tensor):
-            v, w = float(value), float(n)
-            if math.isfinite(v):
-                self._host[_SUM] += v * w
-                self._host[_COUNT] += w
-            else:
-                self._host[_NONFINITE] += 1.0
+            self._add_host(value, n)
             return
         if isinstance(value, torch.Tensor):
             value = value.detach() if value.dim() == 0 else value.detach().reshape(())
@@ -124,6 +151,15 @@ class LossTracker:
         self._weights.append(n.detach().reshape(()) if isinstance(n, torch.Tensor) else float(n))
         if len(self._values) >= _FOLD_EVERY:
             self._fold()
+
+    def _add_host(self, value: float, n: float) -> None:
+        """Add a Python value and its count to the host slots (float64, like the device state)."""
+        v, w = float(value), float(n)
+        if math.isfinite(v):
+            self._host[_SUM] += v * w
+            self._host[_COUNT] += w
+        else:
+            self._host[_NONFINITE] += 1.0
 
     def _fold(self) -> None:
         """Add the buffered values into the on-device running state: a few kernels, no host-device sync.
@@ -335,6 +371,17 @@ class LossTracker:
         ):
             raise ValueError(f"{call}: state['history'] must be a list of numbers, got {history!r}.")
         return totals, updates, [float(v) for v in history]
+
+
+def _cpu_number(t: torch.Tensor) -> float:
+    """The value of a one-element CPU tensor as a Python number, read through NumPy, not ``.item()``.
+
+    On the CPU neither is a sync; but ``profile_steps`` counts every ``.item()`` as one (a CPU tensor stands
+    in for a device in its tests), while it rightly counts a NumPy read of a CPU tensor as none.
+    """
+    if t.dtype not in _NUMPY_FLOATS and t.is_floating_point():  # bfloat16 has no NumPy dtype
+        t = t.detach().double()
+    return t.numpy(force=True).item()
 
 
 def _dtype(device: torch.device) -> torch.dtype:

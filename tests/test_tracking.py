@@ -9,8 +9,19 @@ import weakref
 import pytest
 import torch
 
-from speedups import LossTracker, SpeedupsError, SpeedupsWarning
+from speedups import LossTracker, SpeedupsError, SpeedupsWarning, tracking
 from tests._sync_counter import SyncCounter
+
+
+@pytest.fixture(params=["cpu-read", "device-path"])
+def update_path(request, monkeypatch) -> str:
+    """Run a test on both update paths: CPU values read at once, and the sync-free device path.
+
+    Without a GPU the device path is reached by telling the tracker that CPU reads are not free.
+    """
+    if request.param == "device-path":
+        monkeypatch.setattr(tracking, "_CPU_READS_ARE_FREE", False)
+    return request.param
 
 
 def test_weighted_mean_matches_hand_computation() -> None:
@@ -26,10 +37,11 @@ def test_weighted_mean_matches_hand_computation() -> None:
     assert len(tracker) == 4
 
 
-def test_a4_tracker_holds_no_graph() -> None:
+def test_a4_tracker_holds_no_graph(update_path) -> None:
     x = torch.randn(512, 512, requires_grad=True)
     h = x * 2
     loss = (h**2).mean()
+    value = loss.item()
     r = weakref.ref(h)
     tracker = LossTracker()
     tracker.update(loss)
@@ -44,10 +56,14 @@ def test_a4_tracker_holds_no_graph() -> None:
         for v in lst
         if isinstance(v, torch.Tensor)
     ]
-    assert held and not any(t.requires_grad or t.grad_fn is not None for t in held)
+    assert not any(t.requires_grad or t.grad_fn is not None for t in held)
+    # The device path keeps the detached value as a tensor; on the CPU it was read into a Python float.
+    assert bool(held) == (update_path == "device-path")
+    assert tracker.compute() == pytest.approx(value, abs=1e-6)
 
 
-def test_hundreds_of_updates_make_no_host_sync() -> None:
+def test_hundreds_of_updates_make_no_host_sync(monkeypatch) -> None:
+    monkeypatch.setattr(tracking, "_CPU_READS_ARE_FREE", False)  # the device path, on CPU stand-ins
     losses = [torch.rand(()) for _ in range(600)]  # more than one fold of the buffer (256)
     counts = [torch.tensor(3.0) for _ in range(600)]
     tracker = LossTracker()
@@ -61,7 +77,7 @@ def test_hundreds_of_updates_make_no_host_sync() -> None:
     assert mean == pytest.approx(torch.stack(losses).double().mean().item(), abs=1e-6)
 
 
-def test_mean_is_exact_across_buffer_folds() -> None:
+def test_mean_is_exact_across_buffer_folds(update_path) -> None:
     torch.manual_seed(0)
     values = torch.rand(700, dtype=torch.float64) * 10
     counts = torch.randint(1, 9, (700,))
@@ -76,6 +92,54 @@ def test_mean_is_exact_across_buffer_folds() -> None:
     expected = (values * counts).sum() / counts.sum()
     assert tracker.compute() == pytest.approx(expected.item(), rel=1e-6)
     assert len(tracker) == 700
+
+
+def test_cpu_tensors_are_read_at_once_and_summed_in_float64() -> None:
+    """On the CPU a read is not a sync: update() keeps Python numbers, exactly like `.item()` would."""
+    torch.manual_seed(0)
+    losses = [
+        torch.rand((), dtype=dtype) * 4 for dtype in [torch.float32, torch.float16, torch.bfloat16] * 200
+    ]
+    counts = [1 + i % 7 for i in range(len(losses))]
+    tracker = LossTracker()
+    for i, (loss, n) in enumerate(zip(losses, counts, strict=True)):
+        weight = torch.tensor(n) if i % 5 == 0 else n  # CPU tensor counts are read too
+        tracker.update(loss.requires_grad_() * 1, n=weight)
+    attrs = list(vars(tracker).values())
+    held = [v for v in attrs if isinstance(v, torch.Tensor)]
+    held += [v for a in attrs if isinstance(a, list) for v in a if isinstance(v, torch.Tensor)]
+    assert held == []  # no tensor kept, nothing buffered: nothing to fold, nothing to sync
+    expected = math.fsum(loss.item() * n for loss, n in zip(losses, counts, strict=True)) / sum(counts)
+    assert tracker.compute() == pytest.approx(expected, rel=1e-12)
+    assert len(tracker) == len(losses)
+
+
+def test_cpu_tensor_counts_follow_the_tensor_rule(update_path) -> None:
+    """A tensor count is not checked per update on either path (zero is allowed); a read checks the total."""
+    tracker = LossTracker()
+    tracker.update(torch.tensor(5.0), n=torch.tensor(0))
+    tracker.update(torch.tensor(2.0), n=torch.tensor(3))
+    assert tracker.compute() == pytest.approx(2.0, abs=1e-12)
+    empty = LossTracker()
+    empty.update(torch.tensor(5.0), n=torch.tensor(0.0))
+    with pytest.raises(SpeedupsError, match=r"total item count is 0\.0"):
+        empty.compute()
+
+
+def test_cpu_updates_are_not_reported_as_syncs_by_profile_steps() -> None:
+    """On the CPU the tracker's reads are no sync, so the profiler must not advise "use LossTracker"."""
+    from speedups import profile_steps
+
+    model = torch.nn.Linear(8, 1)
+    tracker = LossTracker()
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for x in prof.iter([torch.randn(4, 8) for _ in range(6)]):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            tracker.update(loss, len(x))
+            tracker.update(loss.detach().bfloat16(), n=torch.tensor(2))  # the general CPU path too
+    assert prof.summary().syncs_per_step == 0
+    assert "sync-bound" not in {a.rule for a in prof.advice()}
 
 
 def test_sync_counter_can_see_a_sync() -> None:
@@ -161,9 +225,15 @@ def test_compute_before_any_update_is_a_clear_error() -> None:
         (0.5, float("nan"), ValueError, r"n=nan"),
         (0.5, "3", TypeError, r"n='3'"),
         (0.5, torch.ones(2), ValueError, r"one-element"),
+        (torch.tensor(0.5), 0, ValueError, r"n=0.*positive"),
+        (torch.tensor(0.5), -2.5, ValueError, r"n=-2.5"),
+        (torch.tensor(0.5), True, TypeError, r"n=True"),
+        (torch.tensor(0.5), torch.ones(2), ValueError, r"one-element"),
+        (torch.tensor(0.5), torch.tensor(1j), ValueError, r"one-element real"),
+        (torch.tensor(0.5, dtype=torch.complex64), 1, TypeError, r"floating-point"),
     ],
 )
-def test_bad_input_raises_and_records_nothing(value, n, error, match) -> None:
+def test_bad_input_raises_and_records_nothing(value, n, error, match, update_path) -> None:
     tracker = LossTracker()
     tracker.update(torch.tensor(1.0))
     with pytest.raises(error, match=match):
