@@ -80,7 +80,7 @@ def with_accelerate(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callabl
 
 
 def with_fabric(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric  # the `lightning-fabric` package (also inside `lightning`)
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model, opt = _setup()
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     skipped = []
     for name, module, make in [
         ("accelerate", "accelerate", with_accelerate),
-        ("fabric", "lightning", with_fabric),
+        ("fabric", "lightning_fabric", with_fabric),
     ]:
         if importlib.util.find_spec(module) is None:
             skipped.append(f"{name} (not installed)")

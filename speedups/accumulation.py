@@ -125,7 +125,7 @@ class _Accumulator:
             with ctx:
                 out = wrapped(*args, **kwargs)
                 loss, n = self._parse(out)
-                if self.scaler is None:
+                if self.scaler is None and self.pending == 0:  # once a window: an outer autocast spans it
                     check_outer_autocast(loss.device.type)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
@@ -148,7 +148,10 @@ class _Accumulator:
                     self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
                 if self.scaler is not None:
                     target = self.scaler.scale(target)
-                self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
+                if keep is None:  # every gradient of this call counts: the plain backward
+                    target.backward()
+                else:
+                    self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
         finally:
             _step.current_step.reset(token)
         self.step += 1
