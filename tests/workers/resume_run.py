@@ -2,8 +2,9 @@
 
 Usage: ``resume_run.py PRECISION OUT_DIR full`` runs the uninterrupted reference, then the same run saving a
 checkpoint after every micro-step k of epoch 0 (``k<k>.pt``) and at its end (``kend.pt``), and writes both
-results (``ref<R>.pt``, ``saving<R>.pt``). ``resume_run.py PRECISION OUT_DIR resume K`` starts a fresh run,
-loads ``k<K>.pt`` and finishes it (``resumed-<K><R>.pt``). ``<R>`` is ``-rank<r>`` under torchrun (2 gloo
+results (``ref<R>.pt``, ``saving<R>.pt``). ``resume_run.py PRECISION OUT_DIR resume K[,K...]`` starts a
+fresh run per K (a process forked before anything trained; under torchrun, the torchrun processes), loads
+``k<K>.pt`` and finishes it (``resumed-<K><R>.pt``). ``<R>`` is ``-rank<r>`` under torchrun (2 gloo
 processes, DDP through ``ddp_wrap``), empty otherwise.
 
 The run: ``distributed(fast_loader(shuffle=True, num_workers=2))`` (persistent workers except in fp32),
@@ -99,10 +100,24 @@ if mode == "full":
     suffix = f"-rank{torch.distributed.get_rank()}" if DDP else ""
     torch.save(ref, out / f"ref{suffix}.pt")
     torch.save(run(save_dir=out), out / f"saving{suffix}.pt")
-else:
+elif DDP:
     k = sys.argv[4]
     result = run(resume_from=out / f"k{k}.pt")
-    suffix = f"-rank{torch.distributed.get_rank()}" if DDP else ""
-    torch.save(result, out / f"resumed-{k}{suffix}.pt")
+    torch.save(result, out / f"resumed-{k}-rank{torch.distributed.get_rank()}.pt")
+else:
+    # One process per resume, each forked from this one before it trained or loaded anything: it starts
+    # with nothing of any run in memory, as a new process would, without paying torch's import again.
+    for k in sys.argv[4].split(","):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.save(run(resume_from=out / f"k{k}.pt"), out / f"resumed-{k}.pt")
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"the resume after micro-step {k} failed (exit status {status})")
 if DDP:
     destroy_distributed()
