@@ -138,9 +138,8 @@ def main(argv: list[str] | None = None) -> float:
     model = to_device(SmallCNN(), device)  # speedups
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     tracker = LossTracker()  # speedups: replaces `losses.append(loss.item())`
-    # speedups: autocast for the forward pass; fp32 is a true no-op (enabled=False, the dtype is not used)
-    precision = "auto" if args.precision == "fp32" else args.precision
-    amp = mixed_precision(precision, device_type=device.type, enabled=args.precision != "fp32")
+    # speedups: autocast for the forward pass; "fp32" is off (a true no-op, as enabled=False)
+    amp = mixed_precision(args.precision, device_type=device.type)
 
     # speedups: backward here, optimizer step every N calls; micro_batch_size splits a batch that does not fit
     @accumulate(args.accumulate, optimizer, micro_batch_size=micro)
@@ -157,7 +156,9 @@ def main(argv: list[str] | None = None) -> float:
             tracker.update(loss, n)  # speedups: no sync here
             seen += len(y)
             if step == 0 and epoch == 0 and micro is not None:
-                print(f"micro_batch_size={micro!r}: {train_step.micro_batch_size} rows per micro-batch now")
+                rows = train_step.micro_batch_size  # None under "auto" until a batch runs out of memory
+                now = f"{rows} rows per micro-batch" if rows else f"whole batches ({len(y)} rows) fit so far"
+                print(f"micro_batch_size={micro!r}: {now}")
             if step % 10 == 0:  # reading the tracker is one sync: do it now and then, not every step
                 rate = seen / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{tracker:.4f}", samples_per_s=f"{rate:.0f}")

@@ -39,7 +39,9 @@ class _StepAttributes:
     num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
     pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
     micro_batch_size = property(
-        lambda self: getattr(self._acc().micro, "size", None), doc="Rows per micro-batch."
+        lambda self: getattr(self._acc().micro, "size", None),
+        doc='Rows per micro-batch: the fixed size; under ``"auto"`` the size '
+        "found on out of memory, None while whole batches fit; None without ``micro_batch_size=``.",
     )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")

@@ -309,7 +309,8 @@ def accumulate(
     Sync points: none by default; one per optimizer step with ``skip_nonfinite=True``, an fp16 GradScaler, or
     a device-tensor ``num_items`` (is the window empty? A window of 0 items skips the optimizer step).
     State: ``.step``, ``.is_boundary``, ``.num_updates``, ``.pending``, ``.scaler``, ``.last_step_skipped``,
-    ``.found_inf``. Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
+    ``.found_inf``, ``.micro_batch_size`` (None under ``"auto"`` until a call runs out of memory).
+    Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
 
     Args:
         every: micro-steps per optimizer step (N >= 1).

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from speedups import _checkpoint_file, _env
 from speedups._checkpoint_checks import check_entry, is_checked
@@ -68,11 +69,17 @@ def _split(
         elif _is_plain(value):
             plain[name] = value
         else:
+            fix = f"Pass its state as a plain value instead, e.g. {name}={name}.get_state() for a Generator."
+            if isinstance(value, DataLoader):
+                fix = (
+                    f"A plain DataLoader has no state (no position to resume from): build it once, before "
+                    f"the loop, as {name} = distributed({name}, seed=0) (it works in one process too; its "
+                    f"shuffle comes from seed + epoch), iterate that, and pass it."
+                )
             raise TypeError(
                 f"{call}({name}={type(value).__name__}): expected an object with state_dict() and "
                 f"load_state_dict() (model, optimizer, scheduler, DistributedLoader, LossTracker, ...) or a "
-                f"plain value (number, string, tensor, list/dict of them). A plain DataLoader has no state: "
-                f"pass distributed(loader) instead."
+                f"plain value (number, string, tensor, list/dict of them). {fix}"
             )
     if not state and not allow_empty:
         raise ValueError(f"{call}(path): nothing to save or load. Pass objects by name, e.g. model=model.")

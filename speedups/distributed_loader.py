@@ -312,7 +312,8 @@ def distributed(
         shuffle: shuffle every epoch; None keeps what the original did.
         even: pad so every rank gets equal batch counts (True, training), or give every sample exactly once
             (False, evaluation).
-        seed: the shuffling seed; must be the same on all ranks.
+        seed: the shuffling seed; must be the same on all ranks. The order comes from ``seed + epoch``, not
+            from the loader's ``generator`` (nor ``fast_loader(..., seed=3)``): pass ``seed=3`` here too.
         rank: this process's global rank; None reads it from the process group or ``RANK``/``SLURM_PROCID``
             (the global rank, never the local one).
         world_size: the number of ranks; None reads it like ``rank``.

@@ -54,7 +54,9 @@ def launch(
     ``if __name__ == "__main__":``) is started with ``spawn``; one that cannot be imported (defined in a
     notebook cell, in ``python -c``, a lambda or closure) with ``fork``, which is refused once CUDA is
     initialised in this process. If a process raises, the others are stopped and the exception is re-raised
-    here, its cause holding the child's traceback.
+    here, its cause holding the child's traceback. As under torchrun, with ``nprocs > 1`` and no
+    ``OMP_NUM_THREADS`` set, each process gets ``OMP_NUM_THREADS=1`` (one CPU thread for torch): N
+    processes with a thread per core each would oversubscribe the CPUs. Set it before calling to choose.
 
     Args:
         fn: the function each process runs (its return value must be picklable).
@@ -119,7 +121,8 @@ def _importable(fn: Callable[..., Any]) -> bool:
         return False
     if module == "__main__":
         main = sys.modules.get("__main__")
-        if getattr(main, "__file__", None) is None or hasattr(sys, "ps1"):  # python -c, REPL, notebook
+        path = getattr(main, "__file__", None)  # "<stdin>" under `python - < file`: no file to re-run
+        if path is None or not os.path.isfile(path) or hasattr(sys, "ps1"):  # python -c, REPL, notebook
             return False
     try:
         pickle.dumps(fn)
@@ -142,7 +145,7 @@ def _run(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    with tempfile.TemporaryDirectory(prefix="speedups-launch-") as tmp, _restored_process_state():
+    with tempfile.TemporaryDirectory(prefix="speedups-launch-") as tmp, _restored_process_state(nprocs):
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -181,6 +184,9 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     from speedups.process_group import destroy_distributed, init_distributed
 
     try:
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # a forked child keeps the parent's thread pool otherwise
+            torch.set_num_threads(int(threads))
         init_distributed()
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -214,8 +220,8 @@ def _signal_name(exitcode: int) -> str:
 
 
 @contextlib.contextmanager
-def _restored_process_state() -> Iterator[None]:
-    """Give back what the elastic agent changes in this process: signal handlers and one env variable."""
+def _restored_process_state(nprocs: int) -> Iterator[None]:
+    """Give back what the elastic agent (and the children's ``OMP_NUM_THREADS``) change in this process."""
     main = threading.current_thread() is threading.main_thread()
     handlers = {}
     if main:
@@ -224,9 +230,14 @@ def _restored_process_state() -> Iterator[None]:
             if number is not None:
                 handlers[number] = signal.getsignal(number)
     saved = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is None and nprocs > 1:  # as torchrun: N processes of all-cores thread pools oversubscribe
+        os.environ["OMP_NUM_THREADS"] = "1"
     try:
         yield
     finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
         for number, handler in handlers.items():
             if handler is not None:
                 signal.signal(number, handler)

@@ -83,8 +83,12 @@ def test_load_validates_before_changing_anything(tmp_path: Path) -> None:
 
 
 def test_bad_input(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="A plain DataLoader has no state"):
+    with pytest.raises(TypeError, match="A plain DataLoader has no state") as err:
         save_checkpoint(tmp_path / "c.pt", loader=DataLoader([1, 2]))
+    assert "loader = distributed(loader, seed=0) (it works in one process too" in str(err.value)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(gen=Generator\).*gen=gen\.get_state\(\)") as err:
+        save_checkpoint(tmp_path / "c.pt", gen=torch.Generator())  # not a DataLoader: no DataLoader advice
+    assert "DataLoader has no state" not in str(err.value)
     with pytest.raises(ValueError, match="nothing to save"):
         save_checkpoint(tmp_path / "c.pt")
     with pytest.raises(ValueError, match="reserved"):

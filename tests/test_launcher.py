@@ -131,3 +131,55 @@ def test_the_start_method_follows_whether_a_child_can_import_the_function() -> N
         pass
 
     assert not _importable(local)
+
+
+def test_a_main_read_from_stdin_is_not_importable(monkeypatch) -> None:
+    """`python - < job.py` sets __main__.__file__ to "<stdin>": spawn would fail to re-run it, so fork."""
+    import types
+
+    from speedups.launcher import _importable
+
+    def job() -> None:
+        pass
+
+    job.__module__, job.__qualname__ = "__main__", "job"
+    main = types.ModuleType("__main__")
+    main.__file__ = "<stdin>"
+    main.job = job  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert not _importable(job)
+    main.__file__ = __file__  # a real script file: spawn can re-run it
+    assert _importable(job)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_launch_gives_each_process_one_thread_as_torchrun_does(tmp_path: Path, how: str) -> None:
+    code = textwrap.dedent("""
+        import os, torch
+        from speedups import launch
+
+        def threads():
+            return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+        if __name__ == "__main__":
+            print("RESULT", launch(threads, nprocs=2), "OMP" in str(sorted(os.environ)))
+    """)
+    env = _env(None)
+    env.pop("OMP_NUM_THREADS", None)
+    default = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if int(default.stdout) < 2:
+        pytest.skip("one CPU thread by default here: nothing to oversubscribe")
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    args = [sys.executable, str(script)] if how == "script" else [sys.executable, "-"]
+    out = subprocess.run(
+        args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        input=None if how == "script" else code,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT [(1, '1'), (1, '1')] False" in out.stdout, out.stdout  # and the parent's env is restored
