@@ -252,7 +252,7 @@ def _drop_window(acc: _Step, err: Exception, backwards: int) -> None:
     dropped = acc.pending + 1
     acc.optimizer.zero_grad(set_to_none=True)
     acc._reset_window()
-    err.add_note(
+    err.add_note(  # type: ignore[attr-defined]
         f"speedups.accumulate: this call failed after {backwards} of its micro-batches had run "
         f"backward, so the open accumulation window ({dropped} call(s)) was dropped: gradients set to None, "
         f"train_step.pending is 0. Nothing was stepped."
