@@ -160,7 +160,7 @@ def check_result(out: Any) -> tuple[torch.Tensor, Any]:
                 f"accumulate: the step returned num_items={n!r}: expected an int, a float or a "
                 f"one-element tensor. Return (loss, len(y)) or (loss, mask.sum())."
             )
-        elif not (_finite(n) and n >= 0):
+        elif not (_finite(n) and float(n) >= 0):
             raise ValueError(
                 f"accumulate: the step returned num_items={n!r}: expected a finite count >= 0. "
                 f"Return (loss, len(y))."
