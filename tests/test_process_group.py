@@ -265,3 +265,13 @@ def test_rank_zero_only_refuses_a_class() -> None:
 def test_init_distributed_bad_rendezvous_timeout() -> None:
     with pytest.raises(ValueError, match="rendezvous_timeout=0"):
         init_distributed(rendezvous_timeout=0)
+
+
+def test_ddp_wrap_refuses_the_meta_device_before_moving_the_model() -> None:
+    model = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"device='meta'.*meta device has no values.*to_empty"):
+        ddp_wrap(model, device="meta")
+    assert all(v.device.type == "cpu" and torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"Materialise it on a real device first"):
+        ddp_wrap(torch.nn.Linear(2, 2, device="meta"))
