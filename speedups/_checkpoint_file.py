@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from speedups import _rng
 from speedups.errors import SpeedupsError
 
-__all__ = ["FORMAT", "META", "Contents", "read", "rng_from_file", "rng_to_file", "write"]
+__all__ = ["FORMAT", "META", "Contents", "checked_rng", "read", "rng_from_file", "rng_to_file", "write"]
 
 FORMAT = "speedups.checkpoint/2"
 _LEGACY = "speedups.checkpoint/1"
@@ -130,8 +131,18 @@ def read(path: Path, said: str) -> Contents:
         )
     meta = payload.get(META)
     if isinstance(meta, dict) and meta.get("format") == FORMAT:
+        objects, rng = meta.get("objects"), meta.get("rng")
+        if not (isinstance(objects, dict) and all(isinstance(v, str) for v in objects.values())) or not (
+            rng is None or (isinstance(rng, list) and all(isinstance(r, dict) for r in rng))
+        ):
+            raise SpeedupsError(
+                f"{said}: its {META!r} entry is damaged (expected 'objects' a dict of class names and "
+                f"'rng' a list of per-rank dicts; got {type(objects).__name__} and {type(rng).__name__}). "
+                f"Resume from an earlier checkpoint, or load its entries yourself with "
+                f"torch.load(path, weights_only=True)."
+            )
         entries = {k: v for k, v in payload.items() if k != META}
-        return Contents(entries, dict(meta["objects"]), meta.get("rng"), meta.get("world_size"))
+        return Contents(entries, dict(objects), rng, meta.get("world_size"))
     if payload.get("format") == _LEGACY and {"objects", "plain", "rng"} <= set(payload):
         objects = {name: "" for name in payload["objects"]}  # class names were not recorded then
         entries = {**payload["plain"], **payload["objects"]}
@@ -176,6 +187,31 @@ def rng_to_file(state: dict[str, Any]) -> dict[str, Any]:
     if "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return state
+
+
+def checked_rng(saved: Any, said: str) -> dict[str, Any]:
+    """:func:`rng_from_file`, tried on throwaway generators first; nothing global changes.
+
+    Raises:
+        SpeedupsError: the saved states are damaged (the message names the checkpoint).
+    """
+    try:
+        state = rng_from_file(saved)
+        torch.Generator().set_state(state["torch"])
+        random.Random().setstate(state["random"])
+        if "numpy" in state:
+            _rng.numpy_or_none().random.RandomState().set_state(state["numpy"])
+        for key in ("cuda", "mps"):
+            values = state.get(key)
+            values = values if isinstance(values, list) else [] if values is None else [values]
+            if not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in values):
+                raise TypeError(f"{key} states must be uint8 tensors")
+    except Exception as err:
+        raise SpeedupsError(
+            f"{said}: its saved RNG states are damaged ({type(err).__name__}: {err}). Nothing was loaded. "
+            f"Resume from an earlier checkpoint."
+        ) from err
     return state
 
 

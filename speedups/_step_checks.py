@@ -80,6 +80,14 @@ def check_arguments(
                 f"Fix: leave it out of accumulate(...) and step it yourself after validation: "
                 f"`scheduler.step(val_loss)`."
             )
+        owner = getattr(scheduler, "optimizer", None)
+        if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
+            raise ValueError(
+                f"scheduler={type(scheduler).__name__}: it schedules another optimizer than this one, so "
+                f"stepping it would change a learning rate this step never uses. Build it on the same one: "
+                f"scheduler = {type(scheduler).__name__}(optimizer, ...); accumulate({every}, optimizer, "
+                f"scheduler=scheduler)."
+            )
         max_grad_norm = _validate.real(
             max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0"
         )
@@ -152,12 +160,19 @@ def check_result(out: Any) -> tuple[torch.Tensor, Any]:
                 f"accumulate: the step returned num_items={n!r}: expected an int, a float or a "
                 f"one-element tensor. Return (loss, len(y)) or (loss, mask.sum())."
             )
-        elif not (math.isfinite(float(n)) and float(n) >= 0):
+        elif not (_finite(n) and float(n) >= 0):
             raise ValueError(
                 f"accumulate: the step returned num_items={n!r}: expected a finite count >= 0. "
                 f"Return (loss, len(y))."
             )
     return loss, n
+
+
+def _finite(n: numbers.Real) -> bool:
+    try:
+        return math.isfinite(float(n))
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def check_state(state: Any, every: int, params: list[torch.nn.Parameter], modes: tuple[str, ...]) -> None:

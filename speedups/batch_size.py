@@ -323,6 +323,7 @@ def accumulation_plan(
     ws = _env.world_size() if world_size is None else world_size
     with _validate.arguments(said):
         _validate.integer(effective_batch_size, "effective_batch_size", minimum=1, example="256")
+        _validate.integer(effective_batch_size, "effective_batch_size", maximum=2**40, example="256")
         _validate.integer(max_micro_batch_size, "max_micro_batch_size", minimum=1, example="32")
         _validate.integer(ws, "world_size", minimum=1, example="2")
     if effective_batch_size % ws:

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from speedups import _checkpoint_file, _env
 from speedups._checkpoint_checks import check_entry, is_checked
 from speedups._rng import get_rng_states, set_rng_states
+from speedups._step_checks import short
 from speedups._wrappers import unwrap
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -86,6 +87,16 @@ def _split(
     return objects, plain
 
 
+def _check_path(call: str, path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        error = ValueError if isinstance(path, str) else TypeError
+        raise error(
+            f"{call}(path={short(path)}): expected the checkpoint's file name, a non-empty str or "
+            f"pathlib.Path. Write {call}('checkpoints/last.pt', ...)."
+        )
+    return Path(path)
+
+
 def _unwrap(obj: Any) -> Any:
     """The object whose state is saved: a model without its DDP / DataParallel / torch.compile wrappers."""
     return unwrap(obj) if isinstance(obj, nn.Module) else obj
@@ -139,8 +150,8 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
         >>> load_checkpoint(path, model=nn.Linear(2, 1))
         {'step': 3}
     """
+    path = _check_path("save_checkpoint", path)
     objects, plain = _split("save_checkpoint", state)
-    path = Path(path)
     fsdp = _fsdp_type()
     if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
         _save_dcp(path, objects, plain)
@@ -226,7 +237,7 @@ def load_checkpoint(
             f"they are returned: values = load_checkpoint(path, model=model)."
         )
     entry_of = _check_keys(keys, objects)
-    path = Path(path)
+    path = _check_path("load_checkpoint", path)
     said = f"load_checkpoint({str(path)!r})"
     fsdp = _fsdp_type()
     if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
@@ -244,9 +255,10 @@ def load_checkpoint(
                           classes.get(entry_of[name]))
         for name, obj in objects.items()
     }  # fmt: skip
+    rng = _rng_of_this_rank(contents.rng, said)  # checked before any object changes
     _load_all(objects, ready)
-    if contents.rng is not None:
-        _restore_rng(contents.rng)
+    if rng is not None:
+        set_rng_states(rng)
     used = set(entry_of.values())
     if contents.foreign:
         return {k: v for k, v in entries.items() if k not in used}
@@ -312,16 +324,26 @@ def _load_all(objects: dict[str, Any], ready: dict[str, Any]) -> None:
 
 
 def _restore_rng(every: list[dict[str, Any]]) -> None:
+    rng = _rng_of_this_rank(every, "load_checkpoint")
+    if rng is not None:
+        set_rng_states(rng)
+
+
+def _rng_of_this_rank(every: list[dict[str, Any]] | None, said: str) -> dict[str, Any] | None:
+    """This rank's saved RNG states, checked; None (and a warning) when saved with another world size."""
+    if every is None:
+        return None
     world, rank = _env.world_size(), _env.rank()
     if len(every) == world:
-        set_rng_states(_checkpoint_file.rng_from_file(every[rank]))
-    elif rank == 0:
+        return _checkpoint_file.checked_rng(every[rank], said)
+    if rank == 0:
         warnings.warn(
             f"load_checkpoint: saved with world size {len(every)}, loaded with {world}; RNG states were not "
             f"restored (everything else was).",
             SpeedupsWarning,
             stacklevel=3,
         )
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +63,7 @@ class _Step(Protocol):
     def _add_items(self, n: Any) -> None: ...
     def _update(self, synced: bool) -> None: ...
     def flush(self) -> None: ...
+    def _reset_window(self) -> None: ...
 
 
 def make_micro_batcher(micro_batch_size: Any, split: Any, kind: SyncKind, every: int) -> MicroBatcher | None:
@@ -188,6 +189,12 @@ def _custom_split(
     if rows is not None and rows <= size:
         return rows, [(rows, args, kwargs)]
     raw = split(args, kwargs, size)
+    if not isinstance(raw, Iterable) or isinstance(raw, (str, bytes, Mapping, torch.Tensor)):
+        raise TypeError(
+            f"accumulate(..., split=...): split(args, kwargs, {size}) returned {short(raw)}: expected a list "
+            f"of (args, kwargs) pairs, one per micro-batch. Return e.g. [((x[i:i + size],), {{}}) for i in "
+            f"range(0, len(x), size)]."
+        )
     pieces: list[Piece] = []
     for piece in raw:
         if not (isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], tuple)
@@ -235,6 +242,23 @@ def _add_back(params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> N
             p.grad = g
 
 
+def _drop_window(acc: _Step, err: Exception, backwards: int) -> None:
+    """A call failed after some of its micro-batches' backwards: close the window, as a failed update does.
+
+    Their gradients are already summed into ``.grad`` and cannot be taken out (only ``"auto"`` sets the
+    gradients aside), so the window's gradients are dropped and its counters reset: the next call starts a
+    fresh window instead of stepping on a part of a call.
+    """
+    dropped = acc.pending + 1
+    acc.optimizer.zero_grad(set_to_none=True)
+    acc._reset_window()
+    err.add_note(  # type: ignore[attr-defined]
+        f"speedups.accumulate: this call failed after {backwards} of its micro-batches had run "
+        f"backward, so the open accumulation window ({dropped} call(s)) was dropped: gradients set to None, "
+        f"train_step.pending is 0. Nothing was stepped."
+    )
+
+
 def _release_memory() -> None:
     gc.collect()  # the failed try's graph may sit in reference cycles
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -254,6 +278,7 @@ class MicroBatcher:
         self.auto = micro_batch_size == AUTO
         self.size: int | None = None if self.auto else int(micro_batch_size)
         self.split = split
+        self.backwards = 0  # micro-batch backwards run by the current call
 
     def pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, list[Piece]]:
         """The call's rows and micro-batches at the current size, checked before anything runs."""
@@ -279,10 +304,12 @@ class MicroBatcher:
                         loss, n, out = self._run(acc, wrapped, rows, pieces)
                     break
                 except Exception as err:
+                    acc.total_host, acc.total_device, acc.ref_n = window
                     if saved is None:
+                        if self.backwards:  # gradients of part of this call are in .grad: none can be trusted
+                            _drop_window(acc, err, self.backwards)
                         raise
                     _put_back(params, saved)
-                    acc.total_host, acc.total_device, acc.ref_n = window
                     largest = max((r or 0) for r, _, _ in pieces)
                     if not is_out_of_memory(err) or largest <= 1:
                         raise
@@ -315,6 +342,7 @@ class MicroBatcher:
         count: Any = 0
         outs: list[Any] = []
         n: Any = None
+        self.backwards = 0
         for i, (piece_rows, piece_args, piece_kwargs) in enumerate(pieces):
             keep: bool | torch.Tensor | None = None  # None: every gradient of this micro-batch counts
             out = wrapped(*piece_args, **piece_kwargs)
@@ -353,6 +381,7 @@ class MicroBatcher:
             else:
                 target = acc.scaler.scale(target)
             acc.mask.backward(target, keep, acc.optimizer, single=acc.sync.kind is SyncKind.SINGLE)
+            self.backwards += 1
             # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
             outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
         assert total is not None

@@ -360,12 +360,15 @@ def ddp_wrap(
         target = nn.parallel.DistributedDataParallel
     _check_kwargs(target, kwargs, strategy)
     _env.placement(call="ddp_wrap()")
-    if device is None:
-        place = default_device()
-    else:
-        place = resolve_device(device, call="ddp_wrap", argument="device")
-        if place.type == "cuda":
-            torch.cuda.set_device(place)
+    place = default_device() if device is None else resolve_device(device, call="ddp_wrap", argument="device")
+    if place.type != "meta" and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ValueError(
+            f"ddp_wrap(model={type(model).__name__}, device={str(place)!r}): the model is on the meta "
+            f"device, so it has no values to move, train or synchronise. Materialise it on a real device "
+            f"first: model.to_empty(device='cuda'), then load or initialise its weights."
+        )
+    if device is not None and place.type == "cuda":
+        torch.cuda.set_device(place)
     running = _start(
         backend=None,
         timeout=DEFAULT_TIMEOUT_S,

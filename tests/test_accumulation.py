@@ -395,6 +395,17 @@ def test_bad_arguments_are_rejected_at_decoration() -> None:
         accumulate(4, opt, model=opt)  # type: ignore[arg-type]
 
 
+def test_a_scheduler_of_another_optimizer_is_refused_at_decoration() -> None:
+    _, opt, _ = _pair()
+    other = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(other, step_size=1)
+    with pytest.raises(
+        ValueError, match=r"scheduler=StepLR: it schedules another optimizer.*StepLR\(optimizer"
+    ):
+        accumulate(2, opt, scheduler=sched)
+    assert other.param_groups[0]["lr"] == 0.1 and sched.last_epoch == 0
+
+
 @pytest.mark.parametrize(
     ("make", "error", "pattern"),
     [
@@ -404,6 +415,7 @@ def test_bad_arguments_are_rejected_at_decoration() -> None:
         (lambda m, x: "loss", TypeError, "returned str 'loss'"),
         (lambda m, x: (m(x).sum(), "4"), TypeError, "num_items='4'"),
         (lambda m, x: (m(x).sum(), -1), ValueError, "num_items=-1"),
+        (lambda m, x: (m(x).sum(), 10**400), ValueError, "num_items=1000.*finite count >= 0"),
         (lambda m, x: (m(x).sum(), torch.ones(2)), ValueError, r"num_items of shape \(2,\)"),
     ],
 )

@@ -363,3 +363,9 @@ def test_a_step_whose_memory_does_not_grow_stops_with_the_fix() -> None:
     assert sizes == [2**k for k in range(1, 25)]  # doubled up to 2**24, then stopped
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
     assert find_batch_size(step, model, opt, max_size=2**30) == 2**30  # an explicit bound is honoured
+
+
+def test_accumulation_plan_refuses_an_effective_batch_too_large_to_factor_quickly() -> None:
+    with pytest.raises(ValueError, match=r"effective_batch_size=1000.*<= 1099511627776"):
+        accumulation_plan(10**400, 2, world_size=1)  # factoring it would loop for ever
+    assert accumulation_plan(2**40, 2**20, world_size=1) == (2**20, 2**20, 1)

@@ -302,6 +302,47 @@ class _Opaque:
     pass
 
 
+def _damage(path: Path, out: Path, change) -> Path:
+    payload = torch.load(path, weights_only=True)
+    change(payload["_speedups"])
+    torch.save(payload, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda meta: meta["rng"][0].pop("random"), r"saved RNG states are damaged \(KeyError: 'random'\)"),
+        (
+            lambda meta: meta["rng"][0].update(torch=torch.zeros(3, dtype=torch.uint8)),
+            "RNG states are damaged",
+        ),
+        (lambda meta: meta.update(objects=["model"]), r"'_speedups' entry is damaged.*got list"),
+        (lambda meta: meta.pop("objects"), r"'_speedups' entry is damaged.*got NoneType"),
+        (lambda meta: meta.update(rng="x"), r"'_speedups' entry is damaged.*and str"),
+    ],
+)
+def test_damaged_metadata_is_refused_before_any_object_or_rng_changes(tmp_path: Path, change, match) -> None:
+    torch.manual_seed(0)
+    path = save_checkpoint(tmp_path / "c.pt", model=nn.Linear(3, 1), epoch=1)
+    bad = _damage(path, tmp_path / "bad.pt", change)
+    model = nn.Linear(3, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with pytest.raises(SpeedupsError, match=match):
+        load_checkpoint(bad, model=model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(("path", "error"), [(3, TypeError), (None, TypeError), ("", ValueError)])
+def test_a_path_that_is_no_file_name_is_refused_naming_path(tmp_path: Path, path, error) -> None:
+    with pytest.raises(error, match=r"save_checkpoint\(path=.*expected the checkpoint's file name"):
+        save_checkpoint(path, model=nn.Linear(3, 1))
+    with pytest.raises(error, match=r"load_checkpoint\(path=.*expected the checkpoint's file name"):
+        load_checkpoint(path, model=nn.Linear(3, 1))
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_the_file_mode_follows_the_umask_like_torch_save(tmp_path: Path, umask: int) -> None:
     import os

@@ -312,3 +312,50 @@ def test_two_ranks_where_only_rank_0_runs_out_of_memory_equal_one_process(items)
         assert fields["hook_calls"] == "0" and fields["updates"] == "3", line  # DDP never synced on its own
     sizes = {line.split()[0]: dict(kv.split("=") for kv in line.split()[1:])["size"] for line in lines}
     assert sizes == {"rank0": "2", "rank1": "None"}, sizes  # only rank 0 had to split
+
+
+@pytest.mark.parametrize("returned", [None, 3, torch.ones(5, 3), "pieces"])
+def test_split_returning_no_list_of_pieces_raises_naming_split(returned) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _bad_step(opt, model, split=lambda a, k, s: returned)
+    with pytest.raises(
+        TypeError, match=r"split\(args, kwargs, 2\) returned .*expected a list of \(args, kwargs\)"
+    ):
+        step(torch.ones(5, 3))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("items", [False, True])
+def test_a_call_failing_after_some_micro_backwards_drops_the_window_not_half_of_it(items) -> None:
+    """Fixed micro_batch_size: the failed call's first micro-batches already summed into .grad. The window
+    is closed (as a failed update closes it), so the next windows equal plain PyTorch from a clean start."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"n": 0}
+
+    @accumulate(2, opt, micro_batch_size=2)
+    def train_step(x, y):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the second call's second micro-batch (the first call ran 2 micro-batches)
+            raise KeyError("boom")
+        loss = F.mse_loss(model(x), y, reduction="sum" if items else "mean")
+        return (loss / len(x), len(x)) if items else loss
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(4)]
+    train_step(*data[0])
+    with pytest.raises(KeyError, match="boom") as caught:
+        train_step(*data[1])
+    assert "window (2 call(s)) was dropped" in "".join(caught.value.__notes__)
+    assert all(p.grad is None for p in model.parameters())
+    assert (train_step.pending, train_step.num_updates) == (0, 0)
+    train_step(*data[2])
+    train_step(*data[3])
+
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.cat([data[2][0], data[3][0]]), torch.cat([data[2][1], data[3][1]])
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    torch.testing.assert_close(_params(model), _params(reference), rtol=1e-6, atol=1e-6)

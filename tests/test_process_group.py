@@ -265,3 +265,10 @@ def test_rank_zero_only_refuses_a_class() -> None:
 def test_init_distributed_bad_rendezvous_timeout() -> None:
     with pytest.raises(ValueError, match="rendezvous_timeout=0"):
         init_distributed(rendezvous_timeout=0)
+
+
+def test_ddp_wrap_of_a_model_on_the_meta_device_is_a_clear_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"ddp_wrap\(model=Linear, device='cpu'\): the model is on the meta.*to_empty"
+    ):
+        ddp_wrap(torch.nn.Linear(2, 2, device="meta"), device="cpu")
