@@ -17,6 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+def say(line: str) -> None:
+    """Print one result line from a worker in a single write, so that lines of ranks sharing one pipe never
+    interleave (``print`` writes the text and the newline separately)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

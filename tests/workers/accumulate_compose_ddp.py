@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups.accumulation import accumulate
+from tests._dist import say
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,11 +100,10 @@ def run(order: str) -> None:
     assert b_before_epoch1 is not None
     b_now = list(base.b.parameters())
     b_moved = max((p.detach() - q).abs().max().item() for p, q in zip(b_now, b_before_epoch1, strict=True))
-    print(
+    say(
         f"rank={rank} order={order} to_ref={(params - ref_params).abs().max().item():.3e} "
         f"between_ranks={(gathered[0] - gathered[1]).abs().max().item():.3e} b_moved={b_moved:.3e} "
-        f"hook_calls={calls[0]} updates={train_step.num_updates}",
-        flush=True,
+        f"hook_calls={calls[0]} updates={train_step.num_updates}"
     )
 
 

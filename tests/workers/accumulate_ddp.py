@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups.accumulation import accumulate
+from tests._dist import say
 
 mode = sys.argv[1]
 dist.init_process_group("gloo")
@@ -80,7 +81,7 @@ dist.all_gather(gathered, params)
 to_ref = (params - ref_params).abs().max().item()
 between = (gathered[0] - gathered[1]).abs().max().item()
 grads_left = sum(0 if p.grad is None else int(p.grad.abs().sum() > 0) for p in ddp_model.parameters())
-print(
+say(
     f"rank={rank} to_ref={to_ref:.3e} between_ranks={between:.3e} hook_calls={hook_calls[0]} "
     f"updates={train_step.num_updates} grads_left={grads_left}"
 )

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups.accumulation import accumulate
+from tests._dist import say
 
 mode = sys.argv[1]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails, never waits
@@ -100,7 +101,7 @@ gathered = [torch.zeros_like(params) for _ in range(world)]
 dist.all_gather(gathered, params)
 to_ref = (params - ref_params).abs().max().item()
 between = (gathered[0] - gathered[1]).abs().max().item()
-print(
+say(
     f"rank{rank} to_ref={to_ref:.3e} between={between:.3e} size={train_step.micro_batch_size} "
     f"hook_calls={hook_calls[0]} updates={train_step.num_updates}"
 )
