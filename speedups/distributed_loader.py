@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 
 from speedups import _env, _validate
+from speedups._sampler_adoption import adopted, check_adoptable
 from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
@@ -372,7 +373,8 @@ def distributed(
         )
     inner = loader.sampler if batch_sampler is None else batch_sampler.sampler
     if isinstance(inner, DistributedSampler):  # code written for torchrun: adopt its split, never split twice
-        shuffle, seed, rank, world_size = _adopted(inner, shuffle, seed, rank, world_size, said)
+        check_adoptable(inner, loader)
+        shuffle, seed, rank, world_size = adopted(inner, shuffle, seed, rank, world_size, said)
         was_shuffled = shuffle
     elif type(inner) is RandomSampler:
         if inner.replacement or inner._num_samples is not None:
@@ -421,26 +423,3 @@ def distributed(
     else:
         kwargs.update(sampler=sampler, batch_size=None)
     return DistributedLoader(loader.dataset, **kwargs)
-
-
-def _adopted(
-    inner: DistributedSampler,
-    shuffle: bool | None,
-    seed: int,
-    rank: int | None,
-    world_size: int | None,
-    said: str,
-) -> tuple[bool, int, int, int]:
-    """The settings of a user's ``DistributedSampler``; an argument that contradicts it raises."""
-    theirs = {"shuffle": inner.shuffle, "rank": inner.rank, "world_size": inner.num_replicas}
-    given = {"shuffle": shuffle, "rank": rank, "world_size": world_size}
-    clash = [f"{k}={given[k]!r} (its {k}={theirs[k]!r})" for k in theirs if given[k] not in (None, theirs[k])]
-    if seed not in (0, inner.seed):
-        clash.append(f"seed={seed!r} (its seed={inner.seed!r})")
-    if clash:
-        raise ValueError(
-            f"{said}: the loader already has a DistributedSampler, which distributed() adopts as it is, but "
-            f"{', '.join(clash)}. Leave those arguments out, or build the loader with shuffle=True/False and "
-            f"no sampler, and distributed() adds one."
-        )
-    return bool(inner.shuffle), int(inner.seed), int(inner.rank), int(inner.num_replicas)

@@ -179,3 +179,18 @@ def test_adopting_a_distributed_sampler_refuses_contradicting_arguments() -> Non
     with pytest.raises(ValueError, match=r"seed=9 \(its seed=3\)"):
         distributed(loader, seed=9)
     assert distributed(loader, rank=1, world_size=2, shuffle=True, seed=3).distributed_sampler.seed == 3
+
+
+def test_adopting_refuses_a_sampler_subclass_or_one_over_another_dataset() -> None:
+    class Weighted(DistributedSampler):
+        pass
+
+    data = list(range(8))
+    theirs = Weighted(data, num_replicas=2, rank=0)
+    loader = DataLoader(data, batch_size=2, sampler=theirs)
+    with pytest.raises(TypeError, match=r"its sampler is a Weighted, a DistributedSampler subclass"):
+        distributed(loader)
+    assert loader.sampler is theirs  # the loader handed in is untouched
+    other = DistributedSampler(list(range(12)), num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match=r"covers 12 samples but the loader's dataset has 8"):
+        distributed(DataLoader(data, batch_size=2, sampler=other))
