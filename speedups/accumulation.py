@@ -133,11 +133,7 @@ class _Accumulator:
                 if n is None:
                     target = loss if self.every == 1 else loss * self.inv_every
                 else:
-                    if self.pending == 0:
-                        self.ref_n = self.sync.reference(n)
-                    target = self.sync.weigh(loss, n, self.ref_n)
-                    self._add_items(n)
-                    keep = keep_of(n)
+                    target, keep = self._weigh_items(loss, n, first=self.pending == 0)
                     if boundary and self.sync.world > 1:
                         # The global item count, all-reduced while backward runs: the step's one extra
                         # collective, launched before DDP's bucket all-reduces on every rank (same order).
@@ -146,12 +142,7 @@ class _Accumulator:
                         self.total_device, self.total_host = count, 0.0
                 if self.check_losses and keep is not False:  # checked for NaN/inf at the boundary, in one go
                     self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
-                if self.scaler is not None:
-                    target = self.scaler.scale(target)
-                if keep is None:  # every gradient of this call counts: the plain backward
-                    target.backward()
-                else:
-                    self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
+                self._backward(target, keep)
         finally:
             _step.current_step.reset(token)
         self.step += 1
@@ -162,6 +153,27 @@ class _Accumulator:
             self.sync.before_update(self.optimizer)
             self._update(synced=True)
         return detached if type(out) is torch.Tensor else result_of(out, detached, n)
+
+    def _weigh_items(
+        self, loss: torch.Tensor, n: Any, *, first: bool
+    ) -> tuple[torch.Tensor, Literal[False] | torch.Tensor | None]:
+        """The tensor to backward for a micro-step of ``n`` items (counted here), and the gradients it keeps.
+
+        ``first``: the window's first micro-step, whose count is the weight reference.
+        """
+        if first:
+            self.ref_n = self.sync.reference(n)
+        self._add_items(n)
+        return self.sync.weigh(loss, n, self.ref_n), keep_of(n)
+
+    def _backward(self, target: torch.Tensor, keep: Literal[False] | torch.Tensor | None) -> None:
+        """Scale ``target`` for the GradScaler if there is one, then backward; ``keep``: see ``keep_of``."""
+        if self.scaler is not None:
+            target = self.scaler.scale(target)
+        if keep is None:  # every gradient counts: the plain backward
+            target.backward()
+        else:
+            self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype

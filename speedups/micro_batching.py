@@ -20,7 +20,7 @@ import dataclasses
 import gc
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -29,7 +29,6 @@ from speedups._oom import is_out_of_memory
 from speedups._step_checks import check_outer_autocast, short
 from speedups._step_output import merge_extras, result_of
 from speedups._tree import tree_map
-from speedups._zero_items import GradMask, keep_of
 from speedups.errors import SpeedupsError
 from speedups.grad_sync import GradSync, SyncKind
 
@@ -38,6 +37,9 @@ __all__ = ["AUTO", "MicroBatcher", "make_micro_batcher", "split_call"]
 AUTO = "auto"
 Piece = tuple[int | None, tuple[Any, ...], dict[str, Any]]  # (rows, args, kwargs) of one micro-batch
 Split = Callable[[tuple[Any, ...], dict[str, Any], int], Any]
+
+
+Keep = Literal[False] | torch.Tensor | None  # which gradients a micro-batch keeps (speedups._zero_items)
 
 
 class _Step(Protocol):
@@ -56,11 +58,11 @@ class _Step(Protocol):
     total_device: torch.Tensor | None
     check_losses: bool
     losses: list[torch.Tensor]
-    mask: GradMask
 
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler: ...
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]: ...
-    def _add_items(self, n: Any) -> None: ...
+    def _weigh_items(self, loss: torch.Tensor, n: Any, *, first: bool) -> tuple[torch.Tensor, Keep]: ...
+    def _backward(self, target: torch.Tensor, keep: Keep) -> None: ...
     def _update(self, synced: bool) -> None: ...
     def flush(self) -> None: ...
     def _reset_window(self) -> None: ...
@@ -344,7 +346,7 @@ class MicroBatcher:
         n: Any = None
         self.backwards = 0
         for i, (piece_rows, piece_args, piece_kwargs) in enumerate(pieces):
-            keep: bool | torch.Tensor | None = None  # None: every gradient of this micro-batch counts
+            keep: Keep = None  # None: every gradient of this micro-batch counts
             out = wrapped(*piece_args, **piece_kwargs)
             loss, n = acc._parse(out)
             detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
@@ -366,11 +368,8 @@ class MicroBatcher:
                 else:
                     total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
             else:
-                if acc.pending == 0 and i == 0:
-                    acc.ref_n = acc.sync.reference(n)
-                target = acc.sync.weigh(loss, n, acc.ref_n)
-                acc._add_items(n)
-                keep = keep_of(n)  # a zero-item micro-batch adds nothing (its mean loss is NaN)
+                # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
+                target, keep = acc._weigh_items(loss, n, first=acc.pending == 0 and i == 0)
                 part = detached if single else detached * n
                 if not single and keep is not None:
                     part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
@@ -378,9 +377,7 @@ class MicroBatcher:
                 count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
             if acc.scaler is None:
                 check_outer_autocast(loss.device.type)
-            else:
-                target = acc.scaler.scale(target)
-            acc.mask.backward(target, keep, acc.optimizer, single=acc.sync.kind is SyncKind.SINGLE)
+            acc._backward(target, keep)
             self.backwards += 1
             # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
             outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
