@@ -78,6 +78,7 @@ class _Accumulator:
         self.total_host = 0.0  # items of the open window given as Python numbers
         self.total_device: torch.Tensor | None = None  # ... and as tensors
         self.inv_every = 1.0 / every
+        self.seed: torch.Tensor | None = None  # backward's output gradient 1/every (see _seeded_backward)
         self.sync = grad_sync_for(model)  # data parallelism, decided once
         self.skip_nonfinite = skip_nonfinite
         # One process: the summed loss tells whether to skip (cheaper than a gradient norm). Data parallel:
@@ -131,7 +132,11 @@ class _Accumulator:
                 work = None
                 keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
                 if n is None:
-                    target = loss if self.every == 1 else loss * self.inv_every
+                    if self.scaler is None and self.every > 1:  # the common case: backward seeded with 1/N
+                        self._seeded_backward(loss)
+                        target = None
+                    else:
+                        target = loss if self.every == 1 else loss * self.inv_every
                 else:
                     target, keep = self._weigh_items(loss, n, first=self.pending == 0)
                     if boundary and self.sync.world > 1:
@@ -142,7 +147,8 @@ class _Accumulator:
                         self.total_device, self.total_host = count, 0.0
                 if self.check_losses and keep is not False:  # checked for NaN/inf at the boundary, in one go
                     self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
-                self._backward(target, keep)
+                if target is not None:
+                    self._backward(target, keep)
         finally:
             _step.current_step.reset(token)
         self.step += 1
@@ -174,6 +180,23 @@ class _Accumulator:
             target.backward()
         else:
             self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
+
+    def _seeded_backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / every`` without building it: the same gradients, one autograd node fewer.
+
+        The output gradient ``1/every`` (what ``(loss * (1/every)).backward()`` sends into ``loss``'s graph,
+        bit for bit) is a cached 0-dim tensor of the loss's dtype and shape, re-made when they change; a
+        loss on another device than the cached one is caught once a window, with the outer-autocast check.
+        """
+        seed = self.seed
+        if (
+            seed is None
+            or seed.dtype != loss.dtype
+            or seed.shape != loss.shape
+            or (self.pending == 0 and seed.device != loss.device)
+        ):
+            seed = self.seed = torch.full(loss.shape, self.inv_every, dtype=loss.dtype, device=loss.device)
+        loss.backward(seed)
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype

@@ -541,6 +541,49 @@ def test_a_one_element_loss_comes_back_0_dim() -> None:
     assert train_step().shape == ()
 
 
+@pytest.mark.parametrize("every", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_the_seeded_backward_gives_the_hand_written_gradients_bit_for_bit(every, dtype, shape) -> None:
+    """The plain mean path backs ``loss`` up with the output gradient 1/N instead of building ``loss / N``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)).to(dtype)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = (t.to(dtype) for t in _linear_data(4 * every))
+
+    @accumulate(every, opt)
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(xb), yb).reshape(shape)
+
+    for i in range(2 * every):  # two windows: the cached output gradient serves the second
+        xb, yb = x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]
+        train_step(xb, yb)
+        (F.mse_loss(ref(xb), yb).reshape(shape) / every).backward()
+        if (i + 1) % every:
+            for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(got.grad, want.grad)
+        else:
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_parameter_whose_gradient_is_the_seed_gets_its_own_copy() -> None:
+    """A loss that passes its output gradient through unchanged (a clone) must not alias the cached seed."""
+    w = torch.nn.Parameter(torch.tensor(2.0))
+    opt = torch.optim.SGD([w], lr=0.1)
+    train_step = accumulate(4, opt)(lambda: w.clone())
+    train_step()
+    w.grad.mul_(100.0)  # what clipping or unscaling does in place
+    train_step()
+    assert w.grad.item() == pytest.approx(25.25)  # 0.25 * 100 + 0.25: the seed kept its value
+    train_step(), train_step()
+    assert w.item() == pytest.approx(2.0 - 0.1 * 25.75)
+
+
 # --------------------------------------------------------------------------------- the optimizer's guard
 def _hand_stepping_loop(train_step, opt: torch.optim.Optimizer) -> None:
     for _ in range(8):
