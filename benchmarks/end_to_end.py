@@ -1,12 +1,14 @@
 """End to end: the article's loop before and after speedups, by hand, with Accelerate and Fabric, in one run.
 
-    python -m benchmarks.end_to_end            # a few minutes: 3 interleaved repetitions to 0.95 accuracy
+    python -m benchmarks.end_to_end            # about 6 minutes: 7 interleaved repetitions to 0.95 accuracy
     python -m benchmarks.end_to_end --quick    # smoke mode (well under a minute on 2 cores)
 
 One real task, five loops, each timed from its first batch to the epoch whose test accuracy reaches the target
 (evaluation included; set-up such as ``tune_loader``'s timing or wrapping by a library is reported, not
-timed). The task: scikit-learn's digits upscaled to 32x32, augmented per item on the CPU in ``__getitem__``
-(random affine, padded crop, normalise: ~0.3 ms per item), a CNN with a 512-wide head (``_digits32.py``).
+timed). The task: scikit-learn's digits stored as 64x64 PNGs, decoded and augmented per item on the CPU in
+``__getitem__`` (random resized crop to 32x32, random affine, normalise: about as much CPU per item as the
+training step spends per sample; the output's second line gives both), a CNN with a 512-wide head
+(``_digits32.py``).
 
 - ``before``: the article's starting loop: ``DataLoader(batch_size=32)`` with ``num_workers=0``, ``.to()``
   per tensor, fp32, ``losses.append(loss.item())`` every step.
@@ -19,14 +21,17 @@ timed). The task: scikit-learn's digits upscaled to 32x32, augmented per item on
   (``Accelerator(mixed_precision=..., gradient_accumulation_steps=...)`` + ``accumulate()``;
   ``Fabric(precision=...)`` + ``setup_dataloaders`` + ``no_backward_sync``). A row that cannot run says why.
 
-Every row trains the same recipe (Adam, lr 1e-3, 32 samples per optimizer step), so they need about the
-same number of epochs and the race measures speed, not a different optimisation. All rows start from the
-same weights (same seed per repetition) and use the same compute thread count
-(``--threads``, default 1, like the other benchmarks; loader workers use the remaining CPUs). Repetitions are
-interleaved (each repetition runs every row, in a rotated order) and each row's median is reported, so a noisy
-shared machine slows all rows alike. The last line is
+Every row trains the same recipe (Adam, lr 1e-3, 32 samples per optimizer step) on the same data stream: one
+``RaceSampler`` order per repetition, whose keys also seed each item's augmentation, so every row sees the
+same batches augmented alike whatever its workers (rows in the same precision need the same epochs) and the
+race measures speed, not luck. All rows start from the same weights (same seed per repetition) and use the
+same compute thread count (``--threads``, default 1, like the other benchmarks; loader workers use the
+remaining CPUs). Repetitions are interleaved (each runs every row, in a rotated order); every ratio is taken
+within a repetition and the median over repetitions is reported with its range, so a shared machine that gets
+busier or quieter between repetitions moves both sides of a ratio alike, and the range shows what noise is
+left. The last line is
 ``end_to_end: speedups X.XXx faster than before, Y.YYx of expert, accelerate A.AAx, fabric F.FFx``: X, A, F
-are before's time to target over theirs; Y is after's over expert's (1.00 is the limit).
+are the medians of before's time to target over theirs; Y of after's over expert's (1.00 is the limit).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import gc
 import importlib.util
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,7 +50,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from benchmarks._digits32 import SIZE, Outcome, Race, Task, accuracy, load_task, make_model
+from benchmarks._digits32 import (
+    SIZE,
+    STORED,
+    Outcome,
+    Race,
+    RaceSampler,
+    Task,
+    accuracy,
+    load_task,
+    make_model,
+)
 from benchmarks._timing import RESULTS, save_chart, write_section
 from speedups import (
     LossTracker,
@@ -78,19 +94,17 @@ class Setup:
     tune_seconds: float
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 # ------------------------------------------------------------------------------------------------ the rows
 def before(task: Task, s: Setup) -> Outcome:
     race = Race(s.target, s.max_epochs)
     torch.manual_seed(s.seed)
     model = make_model().to(s.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    loader = DataLoader(task.train, batch_size=s.batch, shuffle=True, generator=_generator(s.seed))
+    sampler = task.sampler(s.seed)  # the race's order (every row's); the article's loop has shuffle=True
+    loader = DataLoader(task.train, batch_size=s.batch, sampler=sampler)
     race.start()
     while True:
+        sampler.set_epoch(race.epochs)
         losses = []
         for x, y in loader:
             x, y = x.to(s.device), y.to(s.device)
@@ -121,7 +135,8 @@ def after(task: Task, s: Setup) -> Outcome:
 
     largest = find_batch_size(probe, model, optimizer, start=16, max_size=s.max_micro)
     plan = accumulation_plan(s.batch, largest, world_size=1)  # the recipe's batch, in micro-batches that fit
-    loader = fast_loader(task.train, plan.micro_batch_size, shuffle=True, generator=_generator(s.seed))
+    sampler = task.sampler(s.seed)
+    loader = fast_loader(task.train, plan.micro_batch_size, sampler=sampler)
     loader, report = tune_loader(loader, max_seconds=s.tune_seconds, progress=False)
 
     @accumulate(plan.accumulation_steps, optimizer)
@@ -132,6 +147,7 @@ def after(task: Task, s: Setup) -> Outcome:
     tracker = LossTracker()
     race.start()
     while True:
+        sampler.set_epoch(race.epochs)
         for batch in train_step.epoch(loader):  # flushes the short last window
             x, y = to_device(batch, device)
             loss, n = train_step(x, y)
@@ -145,13 +161,12 @@ def after(task: Task, s: Setup) -> Outcome:
             )
 
 
-def _plain_loader(task: Task, s: Setup) -> DataLoader:
+def _plain_loader(task: Task, s: Setup, sampler: RaceSampler) -> DataLoader:
     """The loader an expert writes by hand: workers on every CPU, persistent, pinned for CUDA."""
     return DataLoader(
         task.train,
         batch_size=s.micro,
-        shuffle=True,
-        generator=_generator(s.seed),
+        sampler=sampler,
         num_workers=s.workers,
         persistent_workers=s.workers > 0,
         pin_memory=s.device.type == "cuda",
@@ -165,10 +180,12 @@ def expert(task: Task, s: Setup) -> Outcome:
     model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    loader = _plain_loader(task, s)
+    sampler = task.sampler(s.seed)
+    loader = _plain_loader(task, s, sampler)
     n_items, steps = len(task.train), len(loader)
     race.start()
     while True:
+        sampler.set_epoch(race.epochs)
         total = torch.zeros((), device=device)  # the epoch's loss sum, read once
         for i, (x, y) in enumerate(loader):
             x, y = x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda)
@@ -208,9 +225,11 @@ def accelerate_row(task: Task, s: Setup) -> Outcome:
         gradient_accumulation_steps=s.accum,
         cpu=s.device.type == "cpu",
     )
-    model, optimizer, loader = accelerator.prepare(model, optimizer, _plain_loader(task, s))
+    sampler = task.sampler(s.seed)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, _plain_loader(task, s, sampler))
     race.start()
     while True:
+        sampler.set_epoch(race.epochs)
         total = torch.zeros((), device=accelerator.device)
         for x, y in loader:
             with accelerator.accumulate(model):
@@ -240,10 +259,12 @@ def fabric_row(task: Task, s: Setup) -> Outcome:
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
-    loader = fabric.setup_dataloaders(_plain_loader(task, s))
+    sampler = task.sampler(s.seed)
+    loader = fabric.setup_dataloaders(_plain_loader(task, s, sampler))
     steps = len(loader)
     race.start()
     while True:
+        sampler.set_epoch(race.epochs)
         total = torch.zeros((), device=fabric.device)
         for i, (x, y) in enumerate(loader):
             boundary = (i + 1) % s.accum == 0 or i + 1 == steps
@@ -278,16 +299,37 @@ def _missing_peers() -> dict[str, str]:
     return missing
 
 
-def _warm_up(task: Task, s: Setup) -> None:
-    """Run each precision's kernels once, so that no row pays the first call's set-up."""
+def _warm_up(task: Task, s: Setup) -> tuple[float, float]:
+    """Run each precision's kernels once, so that no row pays the first call's set-up.
+
+    Returns the balance of the task, in ms: loading one item in this process, and one fp32 training step
+    (forward, backward, Adam) per sample at the recipe's batch, both the median of a few timings.
+    """
     torch.manual_seed(s.seed)
     model = make_model().to(s.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    loads = []
+    for i in range(3 * s.batch):
+        start = time.perf_counter()
+        task.train[i]
+        loads.append(time.perf_counter() - start)
     x = torch.stack([task.train[i][0] for i in range(s.batch)]).to(s.device)
+    y = task.train.labels[: s.batch].to(s.device)
+    steps = []
     for dtype in {None, s.dtype}:
         for _ in range(2):
             with torch.autocast(s.device.type, dtype=dtype, enabled=dtype is not None):
                 loss = model(x).float().logsumexp(1).mean()
             loss.backward()
+    for _ in range(5):
+        start = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        steps.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(loads), 1e3 * statistics.median(steps) / s.batch
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -298,7 +340,7 @@ def _fmt(ratio: float | None) -> str:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke mode: one repetition to a low target")
-    parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; quick 1)")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7; quick 1)")
     parser.add_argument("--target", type=float, default=None, help="test accuracy (default 0.95; quick 0.7)")
     parser.add_argument("--max-epochs", type=int, default=None, help="give up after (default 30; quick 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads, every row (default 1)")
@@ -310,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="a subset of the rows"
     )
     args = parser.parse_args(argv)
-    reps = args.reps or (1 if args.quick else 3)
+    reps = args.reps or (1 if args.quick else 7)
     target = args.target or (0.7 if args.quick else 0.95)
     max_epochs = args.max_epochs or (4 if args.quick else 30)
 
@@ -328,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         max_micro=max_micro, micro=plan.micro_batch_size, accum=plan.accumulation_steps, dtype=dtype,
         workers=cpus, tune_seconds=0.5 if args.quick else 5.0,
     )  # fmt: skip
-    _warm_up(task, setup)
+    load_ms, step_ms = _warm_up(task, setup)
 
     skipped = _missing_peers()
     names = [n for n in ROWS if n in args.rows and n not in skipped]
@@ -348,28 +390,45 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.set_num_threads(args.threads)
 
     seconds = {n: statistics.median(o.seconds for o in r) for n, r in done.items()}
-    base, best = seconds.get("before"), seconds.get("expert")
+
+    def paired(num: str, den: str) -> list[float] | None:
+        """``num``'s time to target over ``den``'s, per repetition (run minutes apart at most, so a machine
+        that gets busier or quieter between repetitions moves both alike); None if either row is missing."""
+        if num not in done or den not in done:
+            return None
+        return [a.seconds / b.seconds for a, b in zip(done[num], done[den], strict=True)]
+
+    def median(ratios: list[float] | None) -> float | None:
+        return None if ratios is None else statistics.median(ratios)
+
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
     out = [
-        f"end_to_end: digits upscaled to {SIZE}x{SIZE}, augmented on the CPU in __getitem__ "
-        f"({len(task.train)} train / {len(task.test_y)} test), each loop timed to test accuracy >= {target}",
+        f"end_to_end: digits as {STORED}x{STORED} PNGs, decoded and augmented to {SIZE}x{SIZE} on the CPU in "
+        f"__getitem__ ({len(task.train)} train / {len(task.test_y)} test), each loop timed to test accuracy "
+        f">= {target}",
+        f"balance: loading {load_ms:.2f} ms per item in the main process; the fp32 training step "
+        f"{step_ms:.2f} ms per sample at batch {args.batch_size} ({args.threads} thread(s))",
         f"{device}, {args.threads} compute thread(s), {cpus} CPU(s) for loader workers; every row: Adam lr "
         f"{LR:g}, {args.batch_size} samples per optimizer step (micro-batch {plan.micro_batch_size} x "
-        f"{plan.accumulation_steps} but before); {precision} but before; median of {reps} interleaved "
-        f"repetition(s)",
-        f"{'row':<11} {'to target':>10} {'epochs':>7} {'s/epoch':>8} {'vs before':>10} {'vs expert':>10} "
+        f"{plan.accumulation_steps} but before); {precision} but before; {reps} interleaved repetition(s): "
+        f"medians, and the ratios' median (lowest-highest) over the repetitions, each paired within one",
+        f"{'row':<11} {'to target':>10} {'epochs':>7} {'s/epoch':>8} {'vs before':>20} {'vs expert':>20} "
         f"{'set-up (untimed)':>17}",
     ]
+
+    def shown(ratios: list[float] | None) -> str:
+        if ratios is None:
+            return "n/a"
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
     for name, runs in done.items():
         missed = sum(not o.reached for o in runs)
         epochs = statistics.median(o.epochs for o in runs)
         per_epoch = statistics.median(o.seconds / o.epochs for o in runs)
-        speedup = f"{base / seconds[name]:.2f}x" if base else "n/a"
-        of_best = f"{seconds[name] / best:.2f}x" if best else "n/a"
         setup_s = statistics.median(o.setup for o in runs)
         out.append(
             f"{name:<11} {seconds[name]:>8.2f} s{'*' if missed else ' '}{epochs:>6g} {per_epoch:>8.3f} "
-            f"{speedup:>10} {of_best:>10} {setup_s:>15.2f} s"
+            f"{shown(paired('before', name)):>20} {shown(paired(name, 'expert')):>20} {setup_s:>15.2f} s"
         )
     for name, runs in done.items():
         accs = ", ".join(f"{o.accuracy:.3f}" for o in runs)
@@ -380,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                        f"(time to {max_epochs} epochs shown)")  # fmt: skip
     for name, why in skipped.items():
         out.append(f"{name}: skipped: {why}")
-    speedups_ = {n: base / s for n, s in seconds.items()} if base else {}
+    speedups_ = {n: r for n in done if (r := median(paired("before", n))) is not None}
     if speedups_:
         chart = save_chart(
             RESULTS / "end_to_end.png", "end to end: speedup over before", speedups_, ylabel="x faster"
@@ -388,9 +447,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out.append(f"chart: {chart}")
 
     def vs_before(name: str) -> float | None:
-        return base / seconds[name] if base and name in seconds else None
+        return median(paired("before", name))
 
-    y = seconds["after"] / best if best and "after" in seconds else None
+    y = median(paired("after", "expert"))
     out.append(
         f"end_to_end: speedups {_fmt(vs_before('after'))} faster than before, {_fmt(y)} of expert, "
         f"accelerate {_fmt(vs_before('accelerate'))}, fabric {_fmt(vs_before('fabric'))}"

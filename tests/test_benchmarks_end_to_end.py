@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests._dist import ROOT
 
@@ -55,3 +56,33 @@ def test_write_section_replaces_its_own_topic_and_keeps_the_others(tmp_path, mon
     assert "```\nA\n```" in text and "```\nP\n```" in text
     _timing.write_section("sharding", "S")  # a new topic joins in name order
     assert (tmp_path / "latest.md").read_text().rstrip().endswith("## sharding\n\n```\nS\n```")
+
+
+def test_every_row_sees_the_same_stream_whatever_its_workers() -> None:
+    """RaceSampler's keys fix the order and each item's augmentation, in any process, moving no other RNG."""
+    from torch.utils.data import DataLoader
+
+    from benchmarks._digits32 import AugmentedDigits, RaceSampler, encode_png
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (6, 1, 64, 64), dtype=torch.uint8, generator=g)
+    data = AugmentedDigits([encode_png(im) for im in images], torch.arange(6))
+    sampler = RaceSampler(6, seed=3)
+    orders = []
+    for epoch in (0, 1, 0):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert orders[0] == orders[2] != orders[1]  # one order per (seed, epoch), however often it is read
+    assert sorted(k % 6 for k in orders[1]) == list(range(6))
+    assert sorted(orders[0]) == [3000 * 6 + i for i in range(6)]  # epoch 0 of seed 3
+
+    sampler.set_epoch(1)
+    state = torch.get_rng_state()
+    alone = torch.stack([data[k][0] for k in sampler])
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator did not move
+    main, workers = (
+        torch.cat([x for x, _ in DataLoader(data, batch_size=4, sampler=sampler, num_workers=n)])
+        for n in (0, 2)
+    )
+    assert torch.equal(main, alone) and torch.equal(workers, alone)
+    assert not torch.equal(data[orders[0][0]][0], data[orders[0][0] + 6][0])  # another epoch, another draw
