@@ -78,7 +78,6 @@ class _Accumulator:
         self.total_host = 0.0  # items of the open window given as Python numbers
         self.total_device: torch.Tensor | None = None  # ... and as tensors
         self.inv_every = 1.0 / every
-        self.seed: torch.Tensor | None = None  # backward's output gradient 1/every (see _seeded_backward)
         self.sync = grad_sync_for(model)  # data parallelism, decided once
         self.skip_nonfinite = skip_nonfinite
         # One process: the summed loss tells whether to skip (cheaper than a gradient norm). Data parallel:
@@ -184,19 +183,12 @@ class _Accumulator:
     def _seeded_backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / every`` without building it: the same gradients, one autograd node fewer.
 
-        The output gradient ``1/every`` (what ``(loss * (1/every)).backward()`` sends into ``loss``'s graph,
-        bit for bit) is a cached 0-dim tensor of the loss's dtype and shape, re-made when they change; a
-        loss on another device than the cached one is caught once a window, with the outer-autocast check.
+        The output gradient is a new tensor of ``loss``'s shape, dtype and device filled with ``1/every``:
+        what ``(loss * (1/every)).backward()`` sends into ``loss``'s graph, bit for bit. It is made afresh
+        on every call, as ``backward()``'s own ``ones_like`` is, because autograd may hand it on as a
+        parameter's ``.grad`` (a loss that is a view of a parameter) or to a backward that edits its input.
         """
-        seed = self.seed
-        if (
-            seed is None
-            or seed.dtype != loss.dtype
-            or seed.shape != loss.shape
-            or (self.pending == 0 and seed.device != loss.device)
-        ):
-            seed = self.seed = torch.full(loss.shape, self.inv_every, dtype=loss.dtype, device=loss.device)
-        loss.backward(seed)
+        loss.backward(torch.full_like(loss, self.inv_every))
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype

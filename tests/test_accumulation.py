@@ -557,7 +557,7 @@ def test_the_seeded_backward_gives_the_hand_written_gradients_bit_for_bit(every,
     def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(model(xb), yb).reshape(shape)
 
-    for i in range(2 * every):  # two windows: the cached output gradient serves the second
+    for i in range(2 * every):  # two windows
         xb, yb = x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4]
         train_step(xb, yb)
         (F.mse_loss(ref(xb), yb).reshape(shape) / every).backward()
@@ -571,17 +571,46 @@ def test_the_seeded_backward_gives_the_hand_written_gradients_bit_for_bit(every,
         assert torch.equal(got, want)
 
 
-def test_a_parameter_whose_gradient_is_the_seed_gets_its_own_copy() -> None:
-    """A loss that passes its output gradient through unchanged (a clone) must not alias the cached seed."""
-    w = torch.nn.Parameter(torch.tensor(2.0))
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("through", ["clone", "view"])
+def test_a_loss_that_hands_its_output_gradient_to_a_parameter_keeps_later_gradients_right(shape, through):
+    """A loss that is a clone or a view of a parameter: autograd may make the output gradient its .grad."""
+    w = torch.nn.Parameter(torch.full(shape, 2.0))
     opt = torch.optim.SGD([w], lr=0.1)
-    train_step = accumulate(4, opt)(lambda: w.clone())
-    train_step()
-    w.grad.mul_(100.0)  # what clipping or unscaling does in place
-    train_step()
-    assert w.grad.item() == pytest.approx(25.25)  # 0.25 * 100 + 0.25: the seed kept its value
-    train_step(), train_step()
-    assert w.item() == pytest.approx(2.0 - 0.1 * 25.75)
+    train_step = accumulate(4, opt)(lambda: w.clone().sum() if through == "clone" else w.view(()))
+    grads = []
+    for _ in range(3):
+        train_step()
+        grads.append(w.grad.item())
+    assert grads == [0.25, 0.5, 0.75]  # the steps' 1/4 each, summed: nothing added into a shared seed
+    for _ in range(5):  # the rest of window 1, all of window 2
+        train_step()
+    assert w.item() == pytest.approx(2.0 - 0.1 - 0.1)
+
+
+class _HalveGradInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.mul_(0.5)  # edits its input: legal for a custom backward, if discouraged
+
+
+def test_a_backward_that_edits_its_output_gradient_in_place_matches_the_reference() -> None:
+    model, opt, ref = _pair()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _linear_data(16)
+    train_step = accumulate(4, opt)(lambda xb, yb: _HalveGradInPlace.apply(F.mse_loss(model(xb), yb)))
+    for i in range(8):
+        train_step(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2])
+        (_HalveGradInPlace.apply(F.mse_loss(ref(x[2 * i : 2 * i + 2]), y[2 * i : 2 * i + 2])) / 4).backward()
+        if (i + 1) % 4 == 0:
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(got, want)
 
 
 # --------------------------------------------------------------------------------- the optimizer's guard
