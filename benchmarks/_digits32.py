@@ -32,8 +32,9 @@ class AugmentedDigits(Dataset):
     """PNG-encoded 64x64 digits, decoded and augmented per item on the CPU, as an image-folder pipeline does.
 
     ``__getitem__`` decodes the PNG (Pillow), takes a random resized crop to 32x32, a random affine, and
-    normalises: about 0.6-0.8 ms of CPU per item, about what the model's training step costs per sample on
-    one CPU thread: a ``num_workers=0`` loop spends about half its time loading (the benchmark prints both).
+    normalises: 0.6-1.3 ms of CPU per item on the 2-core machines it ran on, of the order of what the model's
+    training step costs per sample on one thread (0.6-0.8 ms): a ``num_workers=0`` loop spends about half its
+    time loading. The benchmark prints both figures for the machine it runs on.
     Module-level (picklable), so workers under any start method can load it.
     """
 
