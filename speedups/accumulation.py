@@ -131,13 +131,9 @@ class _Accumulator:
                 work = None
                 keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
                 if n is None:
-                    if self.scaler is None and self.every > 1:  # the common case: backward seeded with 1/N
-                        self._seeded_backward(loss)
-                        target = None
-                    else:
-                        target = loss if self.every == 1 else loss * self.inv_every
+                    target, weight = loss, self.inv_every
                 else:
-                    target, keep = self._weigh_items(loss, n, first=self.pending == 0)
+                    (target, keep), weight = self._weigh_items(loss, n, first=self.pending == 0), 1.0
                     if boundary and self.sync.world > 1:
                         # The global item count, all-reduced while backward runs: the step's one extra
                         # collective, launched before DDP's bucket all-reduces on every rank (same order).
@@ -146,8 +142,7 @@ class _Accumulator:
                         self.total_device, self.total_host = count, 0.0
                 if self.check_losses and keep is not False:  # checked for NaN/inf at the boundary, in one go
                     self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
-                if target is not None:
-                    self._backward(target, keep)
+                self._backward(target, keep, weight)
         finally:
             _step.current_step.reset(token)
         self.step += 1
@@ -171,24 +166,28 @@ class _Accumulator:
         self._add_items(n)
         return self.sync.weigh(loss, n, self.ref_n), keep_of(n)
 
-    def _backward(self, target: torch.Tensor, keep: Literal[False] | torch.Tensor | None) -> None:
-        """Scale ``target`` for the GradScaler if there is one, then backward; ``keep``: see ``keep_of``."""
+    def _backward(
+        self, target: torch.Tensor, keep: Literal[False] | torch.Tensor | None, weight: float = 1.0
+    ) -> None:
+        """Backward of ``target * weight``, scaled for the GradScaler if any; ``keep``: see ``keep_of``.
+
+        Without a scaler or a mask, ``weight`` goes in as backward's output gradient, a new tensor of
+        ``target``'s shape, dtype and device: what ``(target * weight).backward()`` sends into the graph, bit
+        for bit, with one op and one autograd node fewer per micro-step. It is made on every call, as
+        backward's own ``ones_like`` is: autograd may hand it on as a parameter's ``.grad`` (a loss that is a
+        view of a parameter) or to a backward that edits its input.
+        """
+        if self.scaler is None and keep is None:  # the common case
+            target.backward(None if weight == 1.0 else torch.full_like(target, weight))
+            return
+        if weight != 1.0:
+            target = target * weight
         if self.scaler is not None:
             target = self.scaler.scale(target)
         if keep is None:  # every gradient counts: the plain backward
             target.backward()
         else:
             self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
-
-    def _seeded_backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / every`` without building it: the same gradients, one autograd node fewer.
-
-        The output gradient is a new tensor of ``loss``'s shape, dtype and device filled with ``1/every``:
-        what ``(loss * (1/every)).backward()`` sends into ``loss``'s graph, bit for bit. It is made afresh
-        on every call, as ``backward()``'s own ``ones_like`` is, because autograd may hand it on as a
-        parameter's ``.grad`` (a loss that is a view of a parameter) or to a backward that edits its input.
-        """
-        loss.backward(torch.full_like(loss, self.inv_every))
 
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype

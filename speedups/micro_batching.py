@@ -62,7 +62,7 @@ class _Step(Protocol):
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler: ...
     def _parse(self, out: Any) -> tuple[torch.Tensor, Any]: ...
     def _weigh_items(self, loss: torch.Tensor, n: Any, *, first: bool) -> tuple[torch.Tensor, Keep]: ...
-    def _backward(self, target: torch.Tensor, keep: Keep) -> None: ...
+    def _backward(self, target: torch.Tensor, keep: Keep, weight: float = ...) -> None: ...
     def _update(self, synced: bool) -> None: ...
     def flush(self) -> None: ...
     def _reset_window(self) -> None: ...
@@ -360,7 +360,7 @@ class MicroBatcher:
                     )
                 else:
                     weight = piece_rows / rows
-                target = loss if weight == 1.0 and acc.every == 1 else loss * (weight * acc.inv_every)
+                target, scale = loss, weight * acc.inv_every
                 if single:
                     total = detached
                 elif total is None:
@@ -370,6 +370,7 @@ class MicroBatcher:
             else:
                 # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
                 target, keep = acc._weigh_items(loss, n, first=acc.pending == 0 and i == 0)
+                scale = 1.0
                 part = detached if single else detached * n
                 if not single and keep is not None:
                     part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
@@ -377,7 +378,7 @@ class MicroBatcher:
                 count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
             if acc.scaler is None:
                 check_outer_autocast(loss.device.type)
-            acc._backward(target, keep)
+            acc._backward(target, keep, scale)
             self.backwards += 1
             # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
             outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
