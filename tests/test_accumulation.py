@@ -175,25 +175,24 @@ def test_no_host_sync_by_default_and_one_per_boundary_with_skip_nonfinite() -> N
     assert counter.count == 0 and plain.num_updates == 2  # Python-number counts: sync-free
     # A device-tensor count: one sync per optimizer step (is the window empty?), none on other micro-steps.
     tensor_counts = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), torch.tensor(float(len(y)))))
-    with SyncCounter() as counter:
-        for i in range(3):
-            tensor_counts(X[i : i + 4], Y[i : i + 4])
-    assert counter.count == 0 and tensor_counts.pending == 3
-    with SyncCounter() as counter:
-        tensor_counts(X[:4], Y[:4])
-    assert counter.count == 1 and tensor_counts.num_updates == 1
+    _assert_one_sync_per_window_of_four(tensor_counts, X, Y)
 
     @accumulate(4, opt, skip_nonfinite=True)
     def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         return F.mse_loss(model(x), y), len(y)
 
+    _assert_one_sync_per_window_of_four(train_step, X, Y)
+
+
+def _assert_one_sync_per_window_of_four(step, X: torch.Tensor, Y: torch.Tensor) -> None:
+    """No host-device sync on the first 3 micro-steps of an ``@accumulate(4)`` window, one on the 4th."""
     with SyncCounter() as counter:
         for i in range(3):
-            train_step(X[i : i + 4], Y[i : i + 4])
-    assert counter.count == 0 and train_step.pending == 3
+            step(X[i : i + 4], Y[i : i + 4])
+    assert counter.count == 0 and step.pending == 3
     with SyncCounter() as counter:
-        train_step(X[:4], Y[:4])
-    assert counter.count == 1 and train_step.num_updates == 1
+        step(X[:4], Y[:4])
+    assert counter.count == 1 and step.num_updates == 1
 
 
 def test_skip_nonfinite_false_has_no_sync_and_leaves_nan_to_the_user() -> None:

@@ -227,18 +227,26 @@ def _epoch_setup():
     return model, opt, loader, step
 
 
+def _save_in_epoch_after_four_calls(path: Path):  # -> what _epoch_setup returns
+    """Save mid-epoch, mid-window (4 calls of a 3-call window), then break out of epoch() without flush().
+
+    Returns what ``_epoch_setup`` made, the step's window still open."""
+    model, opt, loader, step = _epoch_setup()
+    for i, (x, y) in enumerate(step.epoch(loader)):
+        step(x, y)
+        if i == 3:
+            save_checkpoint(path, model=model, optimizer=opt, loader=loader, step=step)
+            break
+    return model, opt, loader, step
+
+
 def test_epoch_continues_a_window_restored_from_the_same_epoch(tmp_path: Path) -> None:
     model, opt, loader, step = _epoch_setup()
     for _ in range(2):
         for x, y in step.epoch(loader):
             step(x, y)
     ref = [p.detach().clone() for p in model.parameters()]
-    model, opt, loader, step = _epoch_setup()
-    for i, (x, y) in enumerate(step.epoch(loader)):
-        step(x, y)
-        if i == 3:
-            save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, loader=loader, step=step)
-            break
+    _save_in_epoch_after_four_calls(tmp_path / "c.pt")
     model, opt, loader, step = _epoch_setup()
     load_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, loader=loader, step=step)
     assert step.pending == 1
@@ -249,12 +257,7 @@ def test_epoch_continues_a_window_restored_from_the_same_epoch(tmp_path: Path) -
 
 
 def test_epoch_still_refuses_a_window_left_over_from_an_earlier_epoch(tmp_path: Path) -> None:
-    model, opt, loader, step = _epoch_setup()
-    for i, (x, y) in enumerate(step.epoch(loader)):
-        step(x, y)
-        if i == 3:
-            save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, loader=loader, step=step)
-            break
+    model, opt, loader, step = _save_in_epoch_after_four_calls(tmp_path / "c.pt")
     # The loop broke out without flush(): the next epoch must not silently absorb that window.
     with pytest.raises(SpeedupsError, match="1 micro-steps of an earlier epoch are still pending"):
         next(iter(step.epoch(loader)))
