@@ -1,30 +1,27 @@
 """speedups: make a hand-written PyTorch training loop fast without taking it away from its author.
 
-Composable decorators and context managers, one module per tip; this file only re-exports them.
+Composable decorators and context managers, one folder (or module) per tip; this file only re-exports them.
 """
 
 from speedups.accumulation import accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import load_checkpoint, save_checkpoint
+from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
-from speedups.distributed_loader import DistributedLoader, distributed
 from speedups.errors import SpeedupsError, SpeedupsWarning
-from speedups.gathering import gather
-from speedups.launcher import launch
-from speedups.loader_tuning import LoaderReport, tune_loader
-from speedups.loaders import fast_loader
-from speedups.mistakes import check
-from speedups.precision import mixed_precision
-from speedups.process_group import (
+from speedups.parallel import (
     ddp_wrap,
     destroy_distributed,
+    gather,
     init_distributed,
     is_main_process,
+    launch,
     rank_zero_only,
     rank_zero_print,
     seed_everything,
 )
-from speedups.profiler import StepProfiler, profile_steps
+from speedups.precision import mixed_precision
+from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 

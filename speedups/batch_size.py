@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from speedups import _env, _validate
-from speedups._oom import is_out_of_memory
-from speedups._rng import get_rng_states, set_rng_states
+from speedups._helpers import env, validate
+from speedups._helpers.oom import is_out_of_memory
+from speedups._helpers.rng import get_rng_states, set_rng_states
 from speedups.errors import SpeedupsError
 
 __all__ = ["find_batch_size", "accumulation_plan", "AccumulationPlan"]
@@ -145,9 +145,9 @@ def _check_arguments(
             f"find_batch_size(optimizer={type(optimizer).__name__}): optimizer must be a "
             f"torch.optim.Optimizer or None. Pass the optimizer the step calls .step() on."
         )
-    with _validate.arguments(said):
-        _validate.integer(start, "start", minimum=1, example="2")
-        _validate.integer(max_size, "max_size", minimum=1, none_ok=True, example="4096")
+    with validate.arguments(said):
+        validate.integer(start, "start", minimum=1, example="2")
+        validate.integer(max_size, "max_size", minimum=1, none_ok=True, example="4096")
     if max_size is not None and start > max_size:  # type: ignore[operator]
         raise ValueError(
             f"{said}: start is larger than max_size. Allowed: 1 <= start <= max_size. "
@@ -320,12 +320,12 @@ def accumulation_plan(
         f"accumulation_plan(effective_batch_size={effective_batch_size!r}, "
         f"max_micro_batch_size={max_micro_batch_size!r}, world_size={world_size!r})"
     )
-    ws = _env.world_size() if world_size is None else world_size
-    with _validate.arguments(said):
-        _validate.integer(effective_batch_size, "effective_batch_size", minimum=1, example="256")
-        _validate.integer(effective_batch_size, "effective_batch_size", maximum=2**40, example="256")
-        _validate.integer(max_micro_batch_size, "max_micro_batch_size", minimum=1, example="32")
-        _validate.integer(ws, "world_size", minimum=1, example="2")
+    ws = env.world_size() if world_size is None else world_size
+    with validate.arguments(said):
+        validate.integer(effective_batch_size, "effective_batch_size", minimum=1, example="256")
+        validate.integer(effective_batch_size, "effective_batch_size", maximum=2**40, example="256")
+        validate.integer(max_micro_batch_size, "max_micro_batch_size", minimum=1, example="32")
+        validate.integer(ws, "world_size", minimum=1, example="2")
     if effective_batch_size % ws:
         raise ValueError(
             f"{said}: the effective batch is not divisible by the world size {ws}, so ranks cannot share it "

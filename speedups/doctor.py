@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from speedups import _env
-from speedups._hardware import cpu_has_native_bf16, cpus_per_process, usable_cpus
+from speedups._helpers import env
+from speedups._helpers.hardware import cpu_has_native_bf16, cpus_per_process, usable_cpus
 
 __all__ = ["diagnose", "format_diagnosis", "main"]
 
@@ -59,9 +59,9 @@ def diagnose() -> dict[str, Any]:
         "usable_cpus": usable_cpus(),
         "auto_workers": cpus_per_process(),
         "distributed_backends": backends,
-        "rank": _env.rank(),
-        "local_rank": _env.local_rank(),
-        "world_size": _env.world_size(),
+        "rank": env.rank(),
+        "local_rank": env.local_rank(),
+        "world_size": env.world_size(),
     }
 
 

@@ -17,8 +17,9 @@ import torch
 import wrapt
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from speedups import _env, _step, _validate
-from speedups._hardware import cpu_has_native_bf16
+from speedups._helpers import env, validate
+from speedups._helpers.hardware import cpu_has_native_bf16
+from speedups._helpers.stepping import apply_update, check_max_grad_norm, current_step
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -120,9 +121,9 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         init_scale: float = 2.0**16,
         enabled: bool = True,
     ) -> None:
-        with _validate.arguments(f"mixed_precision({dtype!r})"):
-            _validate.flag(enabled, "enabled")
-            _validate.real(init_scale, "init_scale", positive=True, example="2.0**16")
+        with validate.arguments(f"mixed_precision({dtype!r})"):
+            validate.flag(enabled, "enabled")
+            validate.real(init_scale, "init_scale", positive=True, example="2.0**16")
         if isinstance(dtype, str) and dtype.lower() in _OFF:
             enabled = False  # full precision asked for by name: the documented no-op
         self.device_type = _check_device_type(device_type, dtype, enabled=enabled)
@@ -141,7 +142,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         if wanted is None:
             wanted, why = _auto_dtype(self.device_type)
             if wanted is None:
-                if _env.rank() == 0:
+                if env.rank() == 0:
                     warnings.warn(
                         f"mixed_precision('auto'): {why}; staying in fp32 (autocast off). Pass "
                         f"mixed_precision('bf16') to force it anyway, or enabled=False to silence this.",
@@ -170,7 +171,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         if self.dtype is None:
             return self
         if self.scaler is not None:
-            step = _step.current_step.get()
+            step = current_step.get()
             if step is not None:
                 step.adopt_scaler(self.scaler)
         autocast = torch.autocast(self.device_type, dtype=self.dtype)
@@ -230,7 +231,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             SpeedupsError: called inside an ``@accumulate`` step (the step runs backward itself: return the
                 loss instead).
         """
-        if _step.current_step.get() is not None:
+        if current_step.get() is not None:
             raise SpeedupsError(
                 "mixed_precision.backward(loss): called inside an @accumulate step, which runs backward "
                 "itself. Return the loss from the step instead."
@@ -261,7 +262,8 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 f"mixed_precision.step(optimizer={type(optimizer).__name__}): expected a "
                 f"torch.optim.Optimizer. Pass the optimizer, e.g. amp.step(optimizer)."
             )
-        max_grad_norm = _step.check_max_grad_norm(max_grad_norm, "mixed_precision.step(optimizer, ")
+        with validate.arguments(f"mixed_precision.step(optimizer, max_grad_norm={max_grad_norm!r})"):
+            max_grad_norm = check_max_grad_norm(max_grad_norm)
         if self.scaler is not None and not self._scaled_backwards:
             raise SpeedupsError(
                 "mixed_precision('fp16').step(optimizer): no amp.backward(loss) since the last step, so the "
@@ -270,7 +272,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 "`amp.backward(loss)`, then call amp.step(optimizer)."
             )
         self._scaled_backwards = 0
-        stepped, probe = _step.apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
+        stepped, probe = apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
         return stepped

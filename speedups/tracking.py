@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from speedups import _env, _validate
+from speedups._helpers import env, validate
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["LossTracker"]
@@ -78,8 +78,8 @@ class LossTracker:
         Raises:
             TypeError: ``all_ranks`` is not a bool.
         """
-        with _validate.arguments("LossTracker()"):
-            _validate.flag(all_ranks, "all_ranks")
+        with validate.arguments("LossTracker()"):
+            validate.flag(all_ranks, "all_ranks")
         self.all_ranks = all_ranks
         self._state: torch.Tensor | None = None  # on-device [sum, count, nonfinite], created on first use
         self._values: list[torch.Tensor] = []  # detached device values not yet folded into _state
@@ -205,7 +205,7 @@ class LossTracker:
         """(weighted sum, count, non-finite count, updates): local, or summed over ranks if ``all_ranks``."""
         self._fold()
         dist = torch.distributed
-        if self.all_ranks and _env.pg_ready():
+        if self.all_ranks and env.pg_ready():
             # One all-reduce in float64 on the backend's device (CUDA for nccl, CPU for gloo).
             device = torch.device("cpu")
             if dist.get_backend() == "nccl":
@@ -342,7 +342,7 @@ class LossTracker:
         self.reset()
         self.history = history
         dist = torch.distributed
-        if state.get("all_ranks") and _env.pg_ready() and dist.get_rank() != 0:
+        if state.get("all_ranks") and env.pg_ready() and dist.get_rank() != 0:
             return  # global totals: rank 0 holds them, so the all-reduce of a read counts them once
         self._host = totals
         self._updates = updates

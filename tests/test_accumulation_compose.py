@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from speedups import SpeedupsError, check, ddp_wrap, mixed_precision, shard_model, unshard_model
 from speedups.accumulation import accumulate
-from speedups.grad_sync import DDPSync, grad_sync_for
+from speedups.accumulation.grad_sync import DDPSync, grad_sync_for
 from tests._dist import WORKERS, free_port, run_torchrun
 
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import speedups._measure as _measure
-import speedups.profiler as profiler
+import speedups.profiling.measure as _measure
+import speedups.profiling.profiler as profiler
 from speedups import LossTracker, profile_steps
-from speedups.advice import Summary, advise
+from speedups.profiling.advice import Summary, advise
 from tests._profiling_loops import SlowDataset, busy_step
 
 

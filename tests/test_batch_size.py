@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from speedups import AccumulationPlan, SpeedupsError, accumulation_plan, find_batch_size
-from speedups._oom import is_out_of_memory as _is_out_of_memory
+from speedups._helpers.oom import is_out_of_memory as _is_out_of_memory
 
 # torch.OutOfMemoryError is newer (2.5) than torch.cuda.OutOfMemoryError, which is now an alias of it.
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)

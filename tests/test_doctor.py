@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from speedups import _hardware
+from speedups._helpers import hardware as _hardware
 from speedups.doctor import diagnose, format_diagnosis
 from tests._dist import ROOT
 

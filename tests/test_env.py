@@ -10,15 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from speedups import (
-    SpeedupsError,
-    SpeedupsWarning,
-    _env,
-    ddp_wrap,
-    default_device,
-    distributed,
-    init_distributed,
-)
+from speedups import SpeedupsError, SpeedupsWarning, ddp_wrap, default_device, distributed, init_distributed
+from speedups._helpers import env as _env
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 # What `srun --ntasks-per-node=2 ...` gives task 1 (SLURM_STEP_ID: only srun sets it).
@@ -103,7 +96,7 @@ def test_default_device_in_mp_spawn_is_the_current_device_after_set_device(monke
     """mp.spawn: no launcher variables, the user's own process group, torch.cuda.set_device(rank)."""
     _only(monkeypatch, {})
     _fake_cuda(monkeypatch, 2, current=1)
-    monkeypatch.setattr(_env, "pg_ready", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # the user's own process group
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     assert _env.launch_style() == "process"

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from speedups import SpeedupsError
-from speedups.grad_sync import DDPSync, FSDP2Sync, GradSync, SyncKind, count_dtype, grad_sync_for
+from speedups.accumulation.grad_sync import DDPSync, FSDP2Sync, GradSync, SyncKind, count_dtype, grad_sync_for
 from tests._dist import free_port
 
 

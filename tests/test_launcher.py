@@ -122,7 +122,7 @@ def test_launch_bad_arguments_and_refusals(monkeypatch) -> None:
 
 
 def test_the_start_method_follows_whether_a_child_can_import_the_function() -> None:
-    from speedups.launcher import _importable
+    from speedups.parallel.launcher import _importable
 
     assert _importable(launch) and _importable(test_launch_bad_arguments_and_refusals)
     assert not _importable(lambda: 1)
@@ -137,7 +137,7 @@ def test_a_main_read_from_stdin_is_not_importable(monkeypatch) -> None:
     """`python - < job.py` sets __main__.__file__ to "<stdin>": spawn would fail to re-run it, so fork."""
     import types
 
-    from speedups.launcher import _importable
+    from speedups.parallel.launcher import _importable
 
     def job() -> None:
         pass

@@ -156,8 +156,8 @@ def test_report_prints_a_table_with_the_choice_and_why() -> None:
 
 
 def test_choice_prefers_fewer_workers_within_five_percent() -> None:
-    from speedups._loader_timing import LoaderTrial
-    from speedups.loader_tuning import _choose
+    from speedups.data.timing import LoaderTrial
+    from speedups.data.tuning import _choose
 
     trials = [LoaderTrial(0, False, None, 10.0, 9, 1), LoaderTrial(2, False, 2, 30.0, 9, 1)]
     trials += [LoaderTrial(4, False, 2, 31.0, 9, 1)]
@@ -168,7 +168,7 @@ def test_choice_prefers_fewer_workers_within_five_percent() -> None:
 
 
 def test_progress_bar_appears_only_after_a_second() -> None:
-    from speedups.loader_tuning import _progress
+    from speedups.data.tuning import _progress
 
     bar = _progress(3, True)
     try:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from speedups import SpeedupsError, SpeedupsWarning, fast_loader
-from speedups.loaders import _seed_worker
+from speedups.data.workers import seed_worker
 from tests._loading_data import EpochItems, SeedProbe, Squares, Stream, identity_collate, record_init
 
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
@@ -56,7 +56,7 @@ def test_fork_does_not_pickle_so_a_lambda_collate_gets_workers() -> None:
 def test_installed_worker_init_fn_pickles() -> None:
     plain = fast_loader(list(range(4)), 2, num_workers=0)
     wrapped = fast_loader(list(range(4)), 2, num_workers=0, worker_init_fn=record_init)
-    assert plain.worker_init_fn is _seed_worker
+    assert plain.worker_init_fn is seed_worker
     assert isinstance(wrapped.worker_init_fn, functools.partial)
     for fn in (plain.worker_init_fn, wrapped.worker_init_fn):
         assert pickle.loads(pickle.dumps(fn)) is not None

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from speedups import accumulate
 from speedups.errors import SpeedupsError
-from speedups.micro_batching import split_call
+from speedups.accumulation.micro_batching import split_call
 from tests._dist import WORKERS, run_torchrun
 
 SIZES = [7, 5, 8, 3, 6]  # unequal batches; accumulate(2): two full windows and a flushed one

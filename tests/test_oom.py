@@ -1,11 +1,11 @@
-"""The one out-of-memory rule (speedups._oom) that find_batch_size and micro-batching share."""
+"""The one out-of-memory rule (speedups._helpers.oom) that find_batch_size and micro-batching share."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speedups._oom import is_out_of_memory
+from speedups._helpers.oom import is_out_of_memory
 
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 

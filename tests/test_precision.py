@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedups import SpeedupsError, SpeedupsWarning, _hardware
+from speedups import SpeedupsError, SpeedupsWarning
+from speedups._helpers import hardware as _hardware
 from speedups import precision as precision_module
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision

@@ -17,20 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import speedups._rendezvous
-import speedups.process_group
-from speedups import (
-    SpeedupsError,
-    _env,
-    ddp_wrap,
-    default_device,
-    distributed,
-    init_distributed,
-    is_main_process,
-    rank_zero_only,
-    rank_zero_print,
-    seed_everything,
-)
+import speedups.parallel.rendezvous
+import speedups.parallel.data_parallel
+from speedups import SpeedupsError, ddp_wrap, default_device, distributed, init_distributed, is_main_process, rank_zero_only, rank_zero_print, seed_everything
+from speedups._helpers import env as _env
 
 
 # ---------------------------------------------------------------------------------------- A8: environment
@@ -52,7 +42,7 @@ def _fake_rendezvous(monkeypatch, calls: dict) -> None:
     """Record what init_distributed hands to the rendezvous and to init_process_group; start nothing."""
     store = _Store()
     monkeypatch.setattr(
-        speedups._rendezvous, "join", lambda url, **kw: calls.setdefault("join", {"url": url, **kw}) and store
+        speedups.parallel.rendezvous, "join", lambda url, **kw: calls.setdefault("join", {"url": url, **kw}) and store
     )
     monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, inner: (prefix, inner))
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.setdefault("init", kw))
@@ -169,7 +159,7 @@ def test_ddp_wrap_bad_input_leaves_the_model_untouched(monkeypatch) -> None:
 
 
 def test_ddp_wrap_fsdp_missing_is_a_clear_error(monkeypatch) -> None:
-    monkeypatch.setattr(speedups.process_group, "_fully_shard", lambda: None)
+    monkeypatch.setattr(speedups.parallel.data_parallel, "_fully_shard", lambda: None)
     with pytest.raises(SpeedupsError, match=r"no torch\.distributed\.fsdp\.fully_shard"):
         ddp_wrap(nn.Linear(2, 2), strategy="fsdp")
 
@@ -236,7 +226,7 @@ def test_a_rendezvous_that_cannot_complete_fails_fast_naming_the_variables(monke
         "MASTER_PORT": str(port),
     }.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(speedups._rendezvous, "NOTICE_AFTER_S", 0.5)
+    monkeypatch.setattr(speedups.parallel.rendezvous, "NOTICE_AFTER_S", 0.5)
     with pytest.raises(SpeedupsError) as info:
         init_distributed(rendezvous_timeout=2)
     message = str(info.value)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from speedups import SpeedupsError, shard_model, unshard_model
-from speedups import _sharding_plan as sharding_plan
+from speedups.sharding import plan as sharding_plan
 from tests._bench import run_quick
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from speedups import accumulate
-from speedups._oom import is_out_of_memory
+from speedups._helpers.oom import is_out_of_memory
 
 
 def _setup():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speedups import _validate
+from speedups._helpers import validate as _validate
 
 
 def test_arguments_prefixes_the_call_once_even_when_nested() -> None:

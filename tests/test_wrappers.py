@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from speedups import _wrappers
+from speedups._helpers import wrappers as _wrappers
 from tests._dist import free_port
 
 

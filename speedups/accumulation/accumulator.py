@@ -1,0 +1,525 @@
+"""The state of one ``@accumulate`` step, and everything it does with it: the accumulator.
+
+Every call runs backward; every N-th call (the boundary) normalises the accumulated gradients exactly,
+unscales and clips them once, steps the optimizer (then the scheduler) and zeroes the gradients. The
+:class:`Accumulator` owns the position in the window, the item counts, the adopted GradScaler, the
+checkpoint state (:meth:`Accumulator.state_dict`), the epoch logic (:meth:`Accumulator.epoch`) and the guard
+on its optimizer. Two kinds of work are strategies it calls through small interfaces: how the gradients
+reach the other ranks (:mod:`speedups.accumulation.grad_sync`, chosen once when decorating) and how one call
+runs as micro-batches (:mod:`speedups.accumulation.micro_batching`).
+
+A step restored before its first fp16 call has no GradScaler yet (``mixed_precision`` hands it over on that
+call): the saved scaler state is kept and applied when the scaler arrives (:meth:`Accumulator.adopt_scaler`).
+A restored window flushed before that call (a checkpoint taken after an epoch's last micro-step) is unscaled
+by a stand-in GradScaler built from the saved state, whose state then passes to the real one.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from speedups._helpers.stepping import apply_update, current_step
+from speedups.accumulation.checks import (
+    check_outer_autocast,
+    check_result,
+    check_state,
+    refuse_reentry,
+    warn_skipped,
+)
+from speedups.accumulation.grad_sync import GradSync, SyncKind, count_dtype
+from speedups.accumulation.micro_batching import MicroBatcher
+from speedups.accumulation.output import as_loss_and_items, result_of
+from speedups.accumulation.zero_items import GradMask, keep_of
+from speedups.data.distributed_loader import DistributedLoader
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = ["Accumulator"]
+
+T = TypeVar("T")
+Keep = Literal[False] | torch.Tensor | None  # which gradients a micro-step keeps (see .zero_items)
+
+
+class _Mode(enum.Enum):
+    """How the calls of a window are weighed, fixed by the first call: alike, or by their item count."""
+
+    MEAN = "mean"
+    ITEMS = "items"
+
+
+_MEAN, _ITEMS = _Mode.MEAN, _Mode.ITEMS  # module globals: read on every call, faster than _Mode.MEAN
+
+
+class Accumulator:
+    """The state of one decorated step and its call path: the wrapt wrapper of ``@accumulate``.
+
+    Attributes (read through the :class:`~speedups.accumulation.step.Step` the user holds):
+        step: micro-steps so far. num_updates: optimizer steps really taken. pending: calls in the open
+        window. is_boundary: whether the current (or last) call ends a window. scaler: the adopted
+        GradScaler. last_step_skipped: whether the last update was skipped. probe: the 0-dim tensor whose
+        finiteness the last update checked. micro: the micro-batching strategy, or None.
+    """
+
+    def __init__(
+        self,
+        every: int,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        max_grad_norm: float | None,
+        sync: GradSync,
+        skip_nonfinite: bool,
+        micro: MicroBatcher | None = None,
+        *,
+        guard: bool = True,
+    ) -> None:
+        self.every = every
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.scaler: torch.amp.GradScaler | None = None
+        self.mode: _Mode | None = None  # fixed by the first call
+        self.step = 0  # micro-steps so far
+        self.num_updates = 0  # optimizer steps really taken
+        self.pending = 0  # calls in the open window
+        self.is_boundary = False
+        self.last_step_skipped = False
+        self.probe: torch.Tensor | None = None  # checked for finiteness at the last update
+        self.losses: list[torch.Tensor] = []  # the open window's detached losses (single process)
+        self.ref_n: Any = 1.0  # the weight reference of the window's item counts (see GradSync.reference)
+        self.total_host = 0.0  # items of the open window given as Python numbers
+        self.total_device: torch.Tensor | None = None  # ... and as tensors
+        self.inv_every = 1.0 / every
+        self.sync = sync  # data parallelism, decided once
+        self.skip_nonfinite = skip_nonfinite
+        # One process: the summed loss tells whether to skip (cheaper than a gradient norm). Data parallel:
+        # the gradient norm, identical on every rank after the sync, so every rank decides alike.
+        self.check_losses = skip_nonfinite and self.sync.kind is SyncKind.SINGLE
+        self.updating = False  # True while this step runs its own optimizer update
+        self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see .zero_items)
+        self.host_items = False  # this rank's open window counted items > 0 given as Python numbers
+        self.warned_hand_step = False
+        self.micro = micro  # None: every call is one micro-step
+        self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
+        self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
+        self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
+        self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
+        if guard:  # a plain step on every call (enabled=False) owns no window to guard
+            hook = functools.partial(_on_optimizer_step, weakref.ref(self))
+            handle = optimizer.register_step_pre_hook(hook)
+            weakref.finalize(self, handle.remove).atexit = False
+
+    # ------------------------------------------------------------------------------------------ call
+    def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+        if self.scaler is None or self.stand_in:
+            restored = self._handed_over()  # a state loaded before the scaler existed, if any
+            if restored is not None:
+                scaler.load_state_dict(restored)
+            elif self.pending:
+                raise SpeedupsError(
+                    f"accumulate: a GradScaler arrived in the middle of an accumulation window "
+                    f"({self.pending} unscaled micro-steps already accumulated). Enter mixed_precision in "
+                    f"every call of the step, from the first one, e.g. stack @mixed_precision('fp16') under "
+                    f"@accumulate."
+                )
+            self.scaler, self.stand_in = scaler, False
+        return self.scaler
+
+    def __call__(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The wrapt wrapper: one micro-step."""
+        if current_step.get() is self:
+            refuse_reentry(self.step, self.pending, self.every)
+        if self.micro is not None:  # the call's batch split into micro-batches
+            return self._call_micro(self.micro, wrapped, args, kwargs)
+        boundary = self.pending + 1 >= self.every
+        self.is_boundary = boundary
+        ctx = self.sync.micro_step(boundary)
+        token = current_step.set(self)
+        try:
+            with ctx:
+                out = wrapped(*args, **kwargs)
+                loss, n = self.parse(out)
+                if self.scaler is None and self.pending == 0:  # once a window: an outer autocast spans it
+                    check_outer_autocast(loss.device.type)
+                detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
+                work = None
+                keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
+                if n is None:
+                    target, weight = loss, self.inv_every
+                else:
+                    (target, keep), weight = self._weigh_items(loss, n, first=self.pending == 0), 1.0
+                    if boundary and self.sync.world > 1:
+                        # The global item count, all-reduced while backward runs: the step's one extra
+                        # collective, launched before DDP's bucket all-reduces on every rank (same order).
+                        count = self._local_count(loss.device)
+                        work = self.sync.reduce_count(count)
+                        self.total_device, self.total_host = count, 0.0
+                if self.check_losses and keep is not False:  # checked for NaN/inf at the boundary, in one go
+                    self.losses.append(detached if keep is None else torch.where(keep, detached, 0.0))
+                self._backward(target, keep, weight)
+        finally:
+            current_step.reset(token)
+        self.step += 1
+        self.pending += 1
+        if boundary:
+            if work is not None:
+                work.wait()
+            self.sync.before_update(self.optimizer)
+            self._update(synced=True)
+        return detached if type(out) is torch.Tensor else result_of(out, detached, n)
+
+    def _call_micro(
+        self, micro: MicroBatcher, wrapped: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """One call of the step run as micro-batches by ``micro``, then the update at a boundary."""
+        split = micro.pieces(args, kwargs)  # bad input raises here, before anything changes
+        boundary = self.pending + 1 >= self.every
+        self.is_boundary = boundary
+        token = current_step.set(self)
+        try:
+            loss, n, out = micro.run(self, wrapped, args, kwargs, split)
+        finally:
+            current_step.reset(token)
+        if self.check_losses:
+            self.losses.append(loss)
+        self.step += 1
+        self.pending += 1
+        if boundary:
+            if self.sync.kind is SyncKind.DDP:
+                self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
+            else:
+                self._update(synced=True)
+        return result_of(out, loss, n)
+
+    # ------------------------------------------------------- what the micro-batcher uses (MicroBatchHost)
+    def backward_micro(self, loss: torch.Tensor, n: Any, weight: float, *, first_piece: bool) -> Keep:
+        """Weigh and run one micro-batch's backward; return which of its gradients count (see ``keep_of``).
+
+        ``weight``: the micro-batch's share of the call's rows (a mean loss); ``first_piece``: the call's
+        first micro-batch (with an empty window, its item count is the window's weight reference).
+        """
+        keep: Keep = None
+        if n is None:
+            target, scale = loss, weight * self.inv_every
+        else:
+            (target, keep), scale = self._weigh_items(loss, n, first=self.pending == 0 and first_piece), 1.0
+        if self.scaler is None:
+            check_outer_autocast(loss.device.type)
+        self._backward(target, keep, scale)
+        return keep
+
+    def unsynced(self) -> AbstractContextManager[Any]:
+        """The context micro-batches run in: no gradient sync (a boundary call reduces once, after them)."""
+        return self.sync.micro_step(False)
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, in param-group order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def window_counts(self) -> tuple[float, torch.Tensor | None, Any]:
+        """The open window's item counts and weight reference."""
+        return self.total_host, self.total_device, self.ref_n
+
+    def restore_counts(self, snapshot: tuple[float, torch.Tensor | None, Any]) -> None:
+        """Put back what :meth:`window_counts` returned."""
+        self.total_host, self.total_device, self.ref_n = snapshot
+
+    def drop_window(self) -> int:
+        """Close the window without an update, as a failed update does: gradients to None, counters reset.
+
+        Returns the calls dropped, the failing one included.
+        """
+        dropped = self.pending + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+        return dropped
+
+
+    def _weigh_items(
+        self, loss: torch.Tensor, n: Any, *, first: bool
+    ) -> tuple[torch.Tensor, Literal[False] | torch.Tensor | None]:
+        """The tensor to backward for a micro-step of ``n`` items (counted here), and the gradients it keeps.
+
+        ``first``: the window's first micro-step, whose count is the weight reference.
+        """
+        if first:
+            self.ref_n = self.sync.reference(n)
+        self._add_items(n)
+        return self.sync.weigh(loss, n, self.ref_n), keep_of(n)
+
+    def _backward(
+        self, target: torch.Tensor, keep: Literal[False] | torch.Tensor | None, weight: float = 1.0
+    ) -> None:
+        """Backward of ``target * weight``, scaled for the GradScaler if any; ``keep``: see ``keep_of``.
+
+        Without a scaler or a mask, ``weight`` goes in as backward's output gradient, a new tensor of
+        ``target``'s shape, dtype and device: what ``(target * weight).backward()`` sends into the graph, bit
+        for bit, with one op and one autograd node fewer per micro-step. It is made on every call, as
+        backward's own ``ones_like`` is: autograd may hand it on as a parameter's ``.grad`` (a loss that is a
+        view of a parameter) or to a backward that edits its input.
+        """
+        if self.scaler is None and keep is None:  # the common case
+            target.backward(None if weight == 1.0 else torch.full_like(target, weight))
+            return
+        if weight != 1.0:
+            target = target * weight
+        if self.scaler is not None:
+            target = self.scaler.scale(target)
+        if keep is None:  # every gradient counts: the plain backward
+            target.backward()
+        else:
+            self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
+
+    def parse(self, out: Any) -> tuple[torch.Tensor, Any]:
+        """Check a call's result; return ``(loss, num_items)`` (None for a bare loss).
+
+        Raises:
+            TypeError, ValueError: see :func:`~speedups.accumulation.checks.check_result`.
+            SpeedupsError: the call switched between a bare loss and ``(loss, num_items)``.
+        """
+        if (  # the common case, in as few checks as possible; grad_fn implies a floating dtype
+            self.mode is _MEAN
+            and type(out) is torch.Tensor
+            and out.dim() == 0
+            and out.grad_fn is not None
+            and not out.is_complex()
+        ):
+            return out, None
+        loss, n = check_result(as_loss_and_items(out))
+        mode = _MEAN if n is None else _ITEMS
+        if self.mode is None:
+            self.mode = mode
+        elif mode != self.mode:
+            raise SpeedupsError(
+                f"accumulate: this step returned {'a bare loss' if n is None else '(loss, num_items)'} after "
+                f"returning {'a bare loss' if self.mode == _MEAN else '(loss, num_items)'} before. "
+                f"Return the same form on every call."
+            )
+        return loss, n
+
+    def _add_items(self, n: Any) -> None:
+        if isinstance(n, torch.Tensor):
+            n = n.detach().reshape(()).to(count_dtype(n.device))
+            self.total_device = n if self.total_device is None else self.total_device + n
+        else:
+            self.total_host += float(n)
+            self.host_items = self.host_items or n > 0
+
+    def _local_count(self, device: torch.device) -> torch.Tensor:
+        if self.total_device is None:
+            return torch.full((), self.total_host, dtype=count_dtype(device), device=device)
+        return self.total_device + self.total_host
+
+    # ---------------------------------------------------------------------------------------- update
+    def _factor(self, synced: bool) -> float | torch.Tensor:
+        """What the synchronised gradients must be multiplied by to be the window's exact mean."""
+        averaged = self.sync.world if synced else 1  # DDP/FSDP2 divide by the world size when they sync
+        if self.mode == _ITEMS:
+            # A window of zero items (all padding) has nothing to learn from: its gradients are zeroed, never
+            # divided by zero (an exact 0 count on the host also skips the optimizer step, see _update).
+            if self.total_device is None:
+                return averaged * self.ref_n / self.total_host if self.total_host else 0.0
+            total = self.total_device + self.total_host
+            return torch.where(total > 0, averaged * self.ref_n / total, torch.zeros_like(total)).float()
+        return averaged * self.every / (self.sync.world * self.pending)
+
+    def _has_items(self) -> bool:
+        """Whether the window (all ranks) holds items; a sync only for device-tensor counts."""
+        if self.total_device is None:
+            return bool(self.total_host)
+        if self.host_items:  # this rank counted items on the host, so the global sum is > 0 too
+            return True
+        return bool((self.total_device + self.total_host > 0).item())  # host-device sync, once per step
+
+    def _update(self, synced: bool) -> None:
+        # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
+        # its gradients are dropped and the counters say what really happened, then the error propagates.
+        try:
+            if self.mode == _ITEMS and not self._has_items():
+                self.last_step_skipped = True
+                warn_skipped(self.step, empty=True)
+                return
+            factor = self._factor(synced)
+            self.updating = True  # the optimizer step below is this step's own: its guard lets it pass
+            try:
+                stepped, self.probe = apply_update(
+                    self.optimizer,
+                    self.scaler,
+                    self.max_grad_norm,
+                    factor,
+                    skip_nonfinite=self.skip_nonfinite,
+                    probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
+                )
+            finally:
+                self.updating = False
+            self.last_step_skipped = not stepped
+            if stepped:
+                self.num_updates += 1
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            elif self.scaler is None:
+                warn_skipped(self.step, empty=False)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.pending = 0
+        self.total_host = 0.0
+        self.total_device = None
+        self.host_items = False
+        self.losses = []
+        self.ref_n = 1.0
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self._stand_in_scaler()  # a restored fp16 window flushed before any fp16 call
+        local_count = self._local_count if self.mode is _ITEMS else None
+        count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
+        if count is not None:
+            self.total_device, self.total_host = count, 0.0
+        try:
+            self._update(synced=False)
+        finally:
+            self.sync.after_flush(self.optimizer)
+
+    def epoch(self, batches: Iterable[T]) -> Iterator[T]:
+        """Yield from ``batches`` and :meth:`flush` when they are exhausted (see ``Step.epoch``).
+
+        Raises:
+            SpeedupsError: a window of an earlier epoch is still pending (a loop broke out without flush()).
+        """
+        if self.pending:
+            self._check_continues(batches)
+        self.resumed_in_epoch = False
+        self.in_epoch = True
+        try:
+            yield from batches
+        finally:
+            self.in_epoch = False
+        self.flush()
+
+    def _check_continues(self, batches: Any) -> None:
+        """Refuse to start ``epoch(batches)`` over a pending window unless it was restored from this epoch.
+
+        A window saved inside ``epoch()`` belongs to that epoch; a :class:`DistributedLoader` restored with it
+        resumes that epoch mid-way (at least ``pending`` batches in), which is what tells the two apart.
+        """
+        position = batches.state_dict() if isinstance(batches, DistributedLoader) else None
+        if self.resumed_in_epoch and (position is None or position["batches"] >= self.pending):
+            return
+        where = ""
+        if self.resumed_in_epoch and position is not None:
+            where = (
+                f" The checkpoint was taken inside an epoch, but the loader starts epoch {position['epoch']} "
+                f"at batch {position['batches']}: load it with the checkpoint too (loader=loader) so it "
+                f"resumes where the window was saved."
+            )
+        raise SpeedupsError(
+            f"accumulate(...).epoch(loader): {self.pending} micro-steps of an earlier epoch are still "
+            f"pending. Call train_step.flush() before starting a new epoch.{where}"
+        )
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The step's state, with a copy of the open window's gradients (one gradient's memory) and scaler."""
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in self.trainable()]
+        return {
+            "every": self.every,
+            "step": self.step,
+            "num_updates": self.num_updates,
+            "pending": self.pending,
+            "mode": None if self.mode is None else self.mode.value,
+            "total_host": self.total_host,
+            "total_device": None if self.total_device is None else self.total_device.clone(),
+            "grads": grads if self.pending else None,
+            "scaler": self.restored_scaler if self.scaler is None else self.scaler.state_dict(),
+            "losses": [loss.clone() for loss in self.losses],
+            "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
+            "in_epoch": bool(self.in_epoch and self.pending),  # the open window belongs to a running epoch()
+        }
+
+    def check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state`` (ValueError), changing nothing."""
+        check_state(state, self.every, self.trainable(), tuple(mode.value for mode in _Mode))
+        scaler = state.get("scaler")
+        is_scaler_state = isinstance(scaler, dict) and {"scale", "_growth_tracker"} <= set(scaler)
+        if scaler is not None and not is_scaler_state:
+            raise ValueError(
+                "accumulate(...).load_state_dict(state): state['scaler'] is not a GradScaler state (a dict "
+                "with 'scale' and '_growth_tracker'). Pass what train_step.state_dict() returned."
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, after checking all of it (see :meth:`check_state`)."""
+        self.check_state(state)  # before any change
+        if state.get("scaler") is not None:
+            if self.scaler is not None:
+                self.scaler.load_state_dict(state["scaler"])
+            else:  # the scaler arrives with the first fp16 call, which applies this (adopt_scaler)
+                self.restored_scaler = dict(state["scaler"])
+        grads = state["grads"]
+        if grads is not None:
+            for p, g in zip(self.trainable(), grads, strict=True):
+                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+        self.step = state["step"]
+        self.num_updates = state["num_updates"]
+        self.pending = state["pending"]
+        self.mode = None if state["mode"] is None else _Mode(state["mode"])
+        self.total_host = float(state["total_host"])
+        self.host_items = self.total_host > 0  # items counted on the host: the window holds some, no sync
+        self.total_device = state["total_device"]
+        self.losses = list(state.get("losses", []))
+        self.ref_n = state.get("ref_n", 1.0)
+        self.resumed_in_epoch = bool(state.get("in_epoch", False)) and self.pending > 0
+        self.sync.restart()
+
+    def _handed_over(self) -> dict[str, Any] | None:
+        """The scaler state a newly arrived GradScaler must take: the stand-in's, or one loaded earlier."""
+        if self.stand_in:
+            assert self.scaler is not None
+            return dict(self.scaler.state_dict())
+        state, self.restored_scaler = self.restored_scaler, None
+        return state
+
+    def _stand_in_scaler(self) -> None:
+        """Before a flush with a restored scaler state and no scaler yet: build one from that state."""
+        if self.scaler is not None or self.restored_scaler is None:
+            return
+        device = next((p.device for p in self.trainable()), torch.device("cpu"))
+        scaler = torch.amp.GradScaler(device.type)
+        scaler.load_state_dict(self.restored_scaler)
+        scaler.scale(torch.zeros((), device=device))  # builds its scale tensor from the loaded state (lazy)
+        self.scaler, self.stand_in, self.restored_scaler = scaler, True, None
+
+    # ------------------------------------------------------------------------------------------ guard
+    def warn_hand_step(self) -> None:
+        """Warn once that the optimizer was stepped by hand while a window is open (not by this step)."""
+        if self.updating or not self.pending or self.warned_hand_step:
+            return
+        self.warned_hand_step = True
+        warnings.warn(  # stacklevel 4: here, the hook, torch's step wrapper, the caller of optimizer.step()
+            f"accumulate: optimizer.step() was called by hand on an optimizer that @accumulate steps "
+            f"(after micro-step {self.step}, {self.pending} of {self.every} of the window accumulated), "
+            f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
+            f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps on every {self.every}-th "
+            f"call and `train_step.flush()` applies a short last window.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )
+
+
+def _on_optimizer_step(owner: weakref.ref[Accumulator], optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The optimizer's step pre-hook: it holds the step weakly and goes when the step is collected."""
+    acc = owner()
+    if acc is not None:
+        acc.warn_hand_step()

@@ -1,0 +1,268 @@
+"""Every check ``@accumulate`` makes on what it is handed, each before anything changes.
+
+The arguments, once at decoration (through :mod:`speedups._helpers.validate`); the result of the user's
+function (a scalar loss with a ``grad_fn``, maybe with an item count) on every call that leaves the fast path,
+before any gradient is touched; a checkpoint state, entirely, before anything is restored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speedups._helpers import env, validate
+from speedups._helpers.stepping import check_max_grad_norm
+from speedups._helpers.validate import short
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = [
+    "check_arguments",
+    "check_outer_autocast",
+    "check_result",
+    "check_state",
+    "refuse_reentry",
+    "warn_skipped",
+]
+
+
+def check_arguments(
+    every: Any,
+    optimizer: Any,
+    scheduler: Any,
+    max_grad_norm: Any,
+    model: Any,
+    skip_nonfinite: Any,
+    enabled: Any,
+    *,
+    stacklevel: int,
+) -> tuple[int, float | None]:
+    """Check the arguments of ``accumulate(...)``; return ``every`` and ``max_grad_norm`` (a float or None).
+
+    Warns (rank 0, at ``stacklevel`` above this call) when a multi-process job gives no ``model=``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``every < 1``, or ``max_grad_norm`` not a positive finite number.
+    """
+    with validate.arguments(f"accumulate({short(every)}, optimizer, ...)"):
+        every = validate.integer(every, "every", minimum=1, example="4")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            got = type(optimizer).__name__
+            raise TypeError(
+                f"optimizer={short(optimizer)}: expected a torch.optim.Optimizer, got {got}. "
+                f"Write accumulate({every}, torch.optim.SGD(model.parameters(), lr))."
+            )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"scheduler={short(scheduler)}: expected an LR scheduler with a step() method or None, got "
+                f"{type(scheduler).__name__}."
+            )
+        if scheduler is not None and _needs_arguments(scheduler.step):
+            raise TypeError(
+                f"scheduler={type(scheduler).__name__}: its step() needs an argument (ReduceLROnPlateau "
+                f"needs the metric), but @accumulate calls scheduler.step() with none after each optimizer "
+                f"step. Allowed: a scheduler stepped per optimizer step (StepLR, OneCycleLR, LambdaLR...). "
+                f"Fix: leave it out of accumulate(...) and step it yourself after validation: "
+                f"`scheduler.step(val_loss)`."
+            )
+        owner = getattr(scheduler, "optimizer", None)
+        if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
+            raise ValueError(
+                f"scheduler={type(scheduler).__name__}: it schedules another optimizer than this one, so "
+                f"stepping it would change a learning rate this step never uses. Build it on the same one: "
+                f"scheduler = {type(scheduler).__name__}(optimizer, ...); accumulate({every}, optimizer, "
+                f"scheduler=scheduler)."
+            )
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model={short(model)}: expected a torch.nn.Module (the DDP or FSDP2 model) or None, got "
+                f"{type(model).__name__}."
+            )
+        validate.flag(skip_nonfinite, "skip_nonfinite")
+        validate.flag(enabled, "enabled")
+    if model is None and env.is_distributed() and env.rank() == 0:
+        warnings.warn(
+            f"accumulate({every}, optimizer): this is a multi-process job but no model= was given, so the "
+            f"step cannot use DDP's no_sync() between boundaries (every micro-step all-reduces) and "
+            f"normalises num_items per rank. Pass it: accumulate({every}, optimizer, model=model).",
+            SpeedupsWarning,
+            stacklevel=stacklevel,
+        )
+    return every, max_grad_norm
+
+
+def _needs_arguments(step: Any) -> bool:
+    """Whether ``step()`` cannot be called without arguments (False when its signature cannot be read)."""
+    try:
+        inspect.signature(step).bind()
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read (a builtin): assume it can
+        return False
+    return False
+
+
+def check_result(out: Any) -> tuple[torch.Tensor, Any]:
+    """Split what the step function returned into ``(loss, num_items)`` (``num_items`` None for a bare loss).
+
+    Raises:
+        TypeError: no loss tensor, or a ``num_items`` that is neither a number nor a tensor.
+        ValueError: a loss that is not a floating-point scalar with a ``grad_fn``; a ``num_items`` that is not
+            one finite real >= 0.
+    """
+    n = None
+    loss = out
+    if isinstance(out, tuple) and len(out) == 2:
+        loss, n = out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"accumulate: the step returned {type(out).__name__} {short(out)}: expected a scalar loss "
+            f"tensor, or a (loss, num_items) tuple. Return e.g. F.cross_entropy(model(x), y)."
+        )
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(
+            f"accumulate: the step returned a loss of shape {tuple(loss.shape)} and dtype {loss.dtype}: "
+            f"expected a floating-point scalar. Reduce it first, e.g. return loss.mean()."
+        )
+    if loss.grad_fn is None:
+        raise ValueError(
+            "accumulate: the step returned a loss without grad_fn (computed under torch.no_grad(), "
+            "or detached): backward cannot reach the parameters. Return the loss of the forward pass, "
+            "not loss.detach() or loss.item()."
+        )
+    if n is not None:
+        if isinstance(n, torch.Tensor):
+            if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
+                raise ValueError(
+                    f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
+                    f"{n.dtype}: expected a one-element real tensor or a number (items in the batch)."
+                )
+        elif isinstance(n, bool) or not isinstance(n, numbers.Real):
+            raise TypeError(
+                f"accumulate: the step returned num_items={n!r}: expected an int, a float or a "
+                f"one-element tensor. Return (loss, len(y)) or (loss, mask.sum())."
+            )
+        elif not (_finite(n) and float(n) >= 0):
+            raise ValueError(
+                f"accumulate: the step returned num_items={n!r}: expected a finite count >= 0. "
+                f"Return (loss, len(y))."
+            )
+    return loss, n
+
+
+def _finite(n: numbers.Real) -> bool:
+    try:
+        return math.isfinite(float(n))
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def check_state(state: Any, every: int, params: Sequence[torch.Tensor], modes: tuple[str, ...]) -> None:
+    """Check a ``train_step.state_dict()`` for a step over ``every`` micro-steps of these ``params``.
+
+    ``modes`` are the weighing modes a state may name (besides None).
+
+    Raises:
+        ValueError: ``state`` is not such a dict, or was made with another window size or model.
+    """
+    call = "accumulate(...).load_state_dict(state)"
+    keys = {"every", "step", "num_updates", "pending", "mode", "total_host", "total_device", "grads"}
+    if not isinstance(state, dict) or not keys <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{call}: expected the dict of train_step.state_dict(), "
+            f"with keys {sorted(keys | {'scaler', 'losses'})}, got {got}."
+        )
+    if state["every"] != every:
+        raise ValueError(
+            f"{call}: the checkpoint accumulated over "
+            f"{state['every']!r} micro-steps, this step over {every}. Decorate with "
+            f"accumulate({state['every']}, ...) to resume it."
+        )
+    for key in ("step", "num_updates", "pending"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{call}: state[{key!r}]={value!r}, expected an int >= 0.")
+    if state["pending"] >= every:
+        raise ValueError(f"{call}: state['pending']={state['pending']!r}, expected < every={every}.")
+    if state["mode"] is not None and state["mode"] not in modes:
+        raise ValueError(
+            f"{call}: state['mode']={state['mode']!r}, expected None, {' or '.join(map(repr, modes))}."
+        )
+    if isinstance(state["total_host"], bool) or not isinstance(state["total_host"], (int, float)):
+        raise ValueError(f"{call}: state['total_host']={state['total_host']!r}, expected a number.")
+    if state["total_device"] is not None and not isinstance(state["total_device"], torch.Tensor):
+        raise ValueError(f"{call}: state['total_device'] must be None or a tensor.")
+    grads = state["grads"]
+    if grads is not None:
+        if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
+            got_n = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
+            raise ValueError(
+                f"{call}: the checkpoint holds gradients for {got_n} parameters, the optimizer has "
+                f"{len(params)}. Resume with the same model and optimizer."
+            )
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
+                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(
+                    f"{call}: the gradient of parameter {i} has shape {shape}, the parameter "
+                    f"{tuple(p.shape)}. Resume with the same model and optimizer."
+                )
+
+
+def refuse_reentry(step: int, pending: int, every: int) -> None:
+    """Raise: the step was called from inside its own call (before anything of the inner call changed).
+
+    Raises:
+        SpeedupsError: always.
+    """
+    raise SpeedupsError(
+        f"accumulate: the step was called from inside itself (during micro-step {step + 1}, with {pending} "
+        f"of {every} micro-steps of the window accumulated). The inner call would count, weigh and maybe "
+        f"apply the window in the middle of the outer one. Call the step once per micro-batch, from the "
+        f"loop; to reuse its loss code inside it, call a plain (undecorated) function."
+    )
+
+
+def check_outer_autocast(device_type: str) -> None:
+    """Refuse a step without a GradScaler that runs inside an fp16 autocast entered outside the step.
+
+    Called after the user's function returned, so any autocast still active was entered around the step:
+    ``@mixed_precision("fp16")`` stacked above ``@accumulate``, or a ``with`` around the loop. Its loss
+    scaling would be silently lost (fp16 gradients unscaled). No sync: two reads of torch's autocast state.
+
+    Raises:
+        SpeedupsError: fp16 autocast is on for ``device_type`` (nothing of this micro-step applied yet).
+    """
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+        raise SpeedupsError(
+            f"accumulate: the step runs inside an fp16 autocast ({device_type}) entered outside it, "
+            f"e.g. @mixed_precision('fp16') stacked above @accumulate or `with mixed_precision('fp16'):` "
+            f"around the loop, so the step never gets its GradScaler: fp16 gradients would go unscaled "
+            f"(loss scaling silently lost). Fix: put mixed_precision under the step, `@accumulate(...)` "
+            f"then `@amp` right above `def train_step(...)`, or `with amp:` inside its body."
+        )
+
+
+def warn_skipped(step: int, *, empty: bool) -> None:
+    """Warn that the window ending at micro-step ``step`` was not applied: it held 0 items, or NaN/inf."""
+    if empty:
+        why = (
+            "holds 0 items (every num_items was 0): there is nothing to learn from it, so the optimizer "
+            "step and the scheduler step were skipped."
+        )
+    else:
+        why = (
+            "has NaN or inf gradients (a non-finite loss, or an overflow): the optimizer step and the "
+            "scheduler step were skipped and the gradients dropped. Lower the learning rate or clip "
+            "(max_grad_norm=1.0)."
+        )
+    # stacklevel 5: here, _update, __call__ (or flush), the wrapt wrapper, the caller of the step
+    warnings.warn(f"accumulate: the window ending at micro-step {step} {why}", SpeedupsWarning, stacklevel=5)

@@ -1,0 +1,113 @@
+"""Tip 4: ``@accumulate``, gradient accumulation that equals the big batch, at no extra cost per micro-step.
+
+The decorator checks its arguments once, then gives each decorated function an
+:class:`~speedups.accumulation.accumulator.Accumulator` (the state and the call path) and returns the
+:class:`~speedups.accumulation.step.Step` the user holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from speedups.accumulation.accumulator import Accumulator
+from speedups.accumulation.checks import check_arguments
+from speedups.accumulation.grad_sync import grad_sync_for
+from speedups.accumulation.micro_batching import MicroBatcher, check_micro_batching
+from speedups.accumulation.step import Step
+
+__all__ = ["accumulate"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def accumulate(
+    every: int,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scheduler: Any = None,
+    max_grad_norm: float | None = None,
+    model: torch.nn.Module | None = None,
+    skip_nonfinite: bool = False,
+    micro_batch_size: int | str | None = None,
+    split: Callable[..., Any] | None = None,
+    enabled: bool = True,
+) -> Callable[[F], F]:
+    """Turn a function that returns a micro-batch loss into a gradient-accumulation training step.
+
+    Every call runs backward; every ``every``-th call (the boundary) normalises the gradients to the exact
+    mean of the window, unscales (fp16 ``mixed_precision``) and clips them once, then runs
+    ``optimizer.step()``, ``scheduler.step()`` and ``zero_grad()``: the big batch's step in one micro-batch's
+    memory (not faster; batch norm still sees micro-batches). ``(loss, num_items)`` weighs calls by items
+    ("Fixing Gradient Accumulation", Hugging Face, 2024). A DDP ``model=`` runs non-boundary calls in
+    ``no_sync()``; an FSDP2 one turns gradient sync off between boundaries. ``train_step.flush()`` (or
+    ``train_step.epoch(loader)``) applies a short last window. Stepping the optimizer by hand while a window
+    is open warns once.
+
+    Sync points: none by default; one per optimizer step with ``skip_nonfinite=True``, an fp16 GradScaler, or
+    a device-tensor ``num_items`` (is the window empty? A window of 0 items skips the optimizer step).
+    State: ``.step``, ``.is_boundary``, ``.num_updates``, ``.pending``, ``.scaler``, ``.last_step_skipped``,
+    ``.found_inf``, ``.micro_batch_size`` (None under ``"auto"`` until a call runs out of memory).
+    Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
+
+    Args:
+        every: micro-steps per optimizer step (N >= 1).
+        optimizer: the ``torch.optim.Optimizer`` holding the parameters.
+        scheduler: stepped after each optimizer step that really happened (anything with ``.step()``).
+        max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
+        model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module.
+        skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
+        micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
+            weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
+        split: ``split(args, kwargs, size) -> [(args, kwargs), ...]`` for batches the dim-0 rule cannot split.
+        enabled: False steps on every call (``every`` taken as 1), for A/B comparisons.
+
+    Returns:
+        A decorator. The step returns the detached 0-dim loss, ``(loss.detach(), num_items)``, or the
+        step's mapping ``{"loss": ..., "num_items": ..., **extras}`` with its tensors detached.
+
+    Raises:
+        TypeError, ValueError: a bad argument; at call time (before any gradient is touched), a result that
+            is not a scalar loss with a ``grad_fn``, or a bad ``num_items``.
+        SpeedupsError: a call switches between a bare loss and ``(loss, num_items)``.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> @accumulate(2, opt)
+        ... def train_step(x, y):
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> for _ in range(5):
+        ...     loss = train_step(torch.ones(4, 3), torch.zeros(4, 1))
+        >>> train_step.step, train_step.num_updates, train_step.pending
+        (5, 2, 1)
+        >>> train_step.flush(); train_step.num_updates, train_step.pending
+        (3, 0)
+    """
+    every, max_grad_norm = check_arguments(
+        every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
+    )
+    check_micro_batching(micro_batch_size, split, grad_sync_for(model).kind, every)
+
+    def decorator(fn: F) -> F:
+        if isinstance(fn, type) or not callable(fn):
+            what = fn.__name__ if isinstance(fn, type) else repr(fn)
+            raise TypeError(
+                f"accumulate({every!r}, optimizer)({what}): expected the step function (or method) that "
+                f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
+            )
+        acc = Accumulator(
+            every if enabled else 1,
+            optimizer,
+            scheduler,
+            max_grad_norm,
+            grad_sync_for(model),  # one strategy per step: it holds the window's sync state
+            skip_nonfinite,
+            None if micro_batch_size is None else MicroBatcher(micro_batch_size, split),
+            guard=enabled,  # a plain step on every call (enabled=False) owns no window to guard
+        )
+        return Step(fn, acc)  # type: ignore[return-value]
+
+    return decorator

@@ -1,0 +1,133 @@
+"""The DDP strategy: ``no_sync()`` inside a window, and an explicit all-reduce for a flushed short window."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from speedups.accumulation.grad_sync.base import NULL_CONTEXT, DataParallelSync, SyncKind, count_dtype
+
+__all__ = ["DDPSync"]
+
+
+class DDPSync(DataParallelSync):
+    """``DistributedDataParallel``: the calls inside a window run in ``no_sync()``; a flush all-reduces.
+
+    With ``find_unused_parameters=True``, DDP counts a parameter as used from the first ``no_sync()`` backward
+    that reached it until its next synchronised backward; a flushed window never reaches that backward, so
+    DDP still counts its parameters as used in the next window (and refuses an undefined gradient for them).
+    After a flush each of those keeps a zero gradient, and every rank notes which parameters really get one
+    until the next update: there, one small all-reduce of those notes (once per flush, never per micro-step)
+    tells every rank which parameters no rank used; their gradients go back to None, as DDP leaves them.
+    """
+
+    kind = SyncKind.DDP
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        super().__init__(model, dist.get_world_size(model.process_group), model.process_group)
+        self.find_unused = bool(getattr(model, "find_unused_parameters", False))
+        self.used: dict[int, list[bool]] = {}  # id(param) -> [really got a gradient], after a flush
+        self.handles: list[Any] = []
+        self.stale: list[torch.nn.Parameter] = []  # had a gradient in the flushed window, on this rank
+
+    def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
+        return NULL_CONTEXT if boundary else self.model.no_sync()
+
+    def _got_grad(self, p: torch.nn.Parameter) -> bool:
+        cell = self.used.get(id(p))
+        return p.grad is not None if cell is None else cell[0]
+
+    def _forget(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.used = [], {}
+
+    def sync_window(
+        self,
+        optimizer: torch.optim.Optimizer,
+        local_count: Callable[[torch.device], torch.Tensor] | None,
+        pending: int,
+        every: int,
+    ) -> torch.Tensor | None:
+        """Sum the gradients and the item count over the ranks, as DDP's own sync would.
+
+        The ranks first agree on which parameters hold a gradient on some rank (one small all-reduce of a
+        flag per parameter, which also carries the item count); a parameter without one anywhere keeps
+        ``grad=None``, exactly as DDP leaves a parameter no rank used (so Adam does not move it). The others
+        are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
+        """
+        params = _params(optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        got = [self._got_grad(p) for p in params]
+        self._forget()
+        self.stale = [p for p, had in zip(params, got, strict=True) if had]
+        flags = torch.tensor(got, dtype=count_dtype(device))
+        count = local_count(device) if local_count is not None else None
+        head = flags.to(device) if count is None else torch.cat([flags.to(device), count.reshape(1)])
+        dist.all_reduce(head, group=self.group)
+        anywhere = head[: len(params)].tolist()  # host sync (once per flush, never on the hot path)
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p, used in zip(params, anywhere, strict=True):
+            if not used:
+                p.grad = None  # no rank has a gradient for it: left None, as DDP leaves it
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # another rank has one: every rank sends the same layout
+            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for p in group:
+                size = p.numel()
+                grad = p.grad
+                assert grad is not None
+                grad.copy_(flat[offset : offset + size].view_as(grad))
+                offset += size
+        return None if count is None else head[len(params)]
+
+    def after_flush(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give DDP's still-"used" parameters zero gradients; note which really get one until the update."""
+        stale, self.stale = self.stale, []
+        if not self.find_unused:
+            return
+        for p in stale:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for p in _params(optimizer):
+            cell = [False]
+            self.used[id(p)] = cell
+            self.handles.append(p.register_hook(functools.partial(_note_used, cell)))
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a flush: drop (to None) the gradients of parameters no rank used in this window."""
+        if not self.used:
+            return
+        params = _params(optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        flags = torch.tensor([self._got_grad(p) for p in params], dtype=count_dtype(device)).to(device)
+        self._forget()
+        dist.all_reduce(flags, group=self.group)  # the one extra collective, in the window after a flush
+        for p, used in zip(params, flags.tolist(), strict=True):
+            if not used:
+                p.grad = None
+
+    def restart(self) -> None:
+        self._forget()
+        self.stale = []
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The distinct parameters of ``optimizer`` that require grad, in param-group order."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return list({id(p): p for p in params}.values())
+
+
+def _note_used(cell: list[bool], grad: torch.Tensor) -> None:
+    cell[0] = True

@@ -1,0 +1,276 @@
+"""Micro-batches that fit, found while training: each call's batch split along dim 0, exactly the big batch.
+
+``@accumulate(n, optimizer, micro_batch_size=...)`` hands every call to a :class:`MicroBatcher`. It splits
+the call's arguments into micro-batches of at most ``micro_batch_size`` rows (:func:`~.splitting.split_call`,
+or the user's ``split=``), runs forward and backward once per micro-batch, weighted so that the gradients
+equal one backward of the whole batch's loss (by rows for a bare mean loss, by the returned ``num_items``
+otherwise), and returns the whole batch's detached loss. With ``"auto"`` it starts with the whole batch; on
+out of memory (forward or backward, :func:`speedups._helpers.oom.is_out_of_memory`) it puts the gradients
+back as they were when the call began, frees memory, halves the size and runs the call again. The size found
+is kept.
+
+The batcher is a strategy of the accumulator: it reaches the step only through the small
+:class:`MicroBatchHost` interface (parse a result, weigh and run one backward, save and restore the
+window's item counts, drop the window), so the accumulator alone owns its state.
+
+Data parallel (DDP): every micro-backward runs inside ``no_sync()`` and the boundary call all-reduces the
+gradients once, after its last micro-batch (one flat all-reduce per dtype, like a flushed window). A rank
+that runs out of memory retries alone, before any collective: its peers wait in the all-reduce for the
+length of the retry, never in a mismatched collective, and no agreement collective is needed.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Protocol
+
+import torch
+
+from speedups._helpers.oom import is_out_of_memory
+from speedups._helpers.tree import tree_map
+from speedups._helpers.validate import short
+from speedups.accumulation.grad_sync import SyncKind
+from speedups.accumulation.micro_batching.splitting import Piece, Split, custom_split, split_call
+from speedups.accumulation.output import merge_extras
+from speedups.errors import SpeedupsError
+
+__all__ = ["AUTO", "MicroBatchHost", "MicroBatcher", "check_micro_batching"]
+
+AUTO = "auto"
+Keep = Literal[False] | torch.Tensor | None  # which gradients a micro-batch keeps (see ..zero_items)
+
+
+class MicroBatchHost(Protocol):
+    """What the micro-batcher uses of the step it serves (``@accumulate``'s accumulator)."""
+
+    def parse(self, out: Any) -> tuple[torch.Tensor, Any]:
+        """Check one micro-batch's result; return ``(loss, num_items)`` (``num_items`` None: a mean loss)."""
+        ...
+
+    def backward_micro(self, loss: torch.Tensor, n: Any, weight: float, *, first_piece: bool) -> Keep:
+        """Weigh and run one micro-batch's backward (``weight``: its share of the rows, for a mean loss);
+        return which of its gradients count."""
+        ...
+
+    def unsynced(self) -> AbstractContextManager[Any]:
+        """The context the micro-batches run in (DDP: ``no_sync()``; the boundary reduces once after)."""
+        ...
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The parameters whose gradients a failed try must restore."""
+        ...
+
+    def window_counts(self) -> Any:
+        """A snapshot of the open window's item counts, for :meth:`restore_counts`."""
+        ...
+
+    def restore_counts(self, snapshot: Any) -> None:
+        """Put the window's item counts back as :meth:`window_counts` saw them."""
+        ...
+
+    def drop_window(self) -> int:
+        """Close the window without an update (gradients to None); return the calls it held with this one."""
+        ...
+
+
+def check_micro_batching(micro_batch_size: Any, split: Any, kind: SyncKind, every: int) -> None:
+    """Check ``micro_batch_size=`` and ``split=`` of ``accumulate(every, ...)`` (None: no micro-batching).
+
+    Raises:
+        TypeError: ``micro_batch_size`` neither None, an int nor ``"auto"``; ``split`` not callable.
+        ValueError: ``micro_batch_size < 1``, another string, or ``split=`` without ``micro_batch_size=``.
+        SpeedupsError: an FSDP2 model (micro-batching is DDP and single-process only for now).
+    """
+    call = f"accumulate({every}, optimizer, micro_batch_size={short(micro_batch_size)}, ...)"
+    fix = 'Write micro_batch_size=8 (rows per micro-batch) or micro_batch_size="auto".'
+    if micro_batch_size is None:
+        if split is not None:
+            raise ValueError(
+                f"accumulate({every}, optimizer, split={short(split)}): split= only applies with "
+                f"micro_batch_size=. {fix}"
+            )
+        return
+    if isinstance(micro_batch_size, str):
+        if micro_batch_size != AUTO:
+            raise ValueError(f"{call}: the only string allowed is 'auto'. {fix}")
+    elif isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise TypeError(
+            f"{call}: expected an int >= 1, 'auto' or None, got {type(micro_batch_size).__name__}. {fix}"
+        )
+    elif micro_batch_size < 1:
+        raise ValueError(f"{call}: must be >= 1 (rows per micro-batch). {fix}")
+    if split is not None and not callable(split):
+        raise TypeError(
+            f"{call}: split={short(split)} is not callable. Pass a function "
+            f"split(args, kwargs, micro_batch_size) -> [(args, kwargs), ...], or leave split=None."
+        )
+    if kind is SyncKind.FSDP2:
+        raise SpeedupsError(
+            f"{call}: micro-batching does not support FSDP2 models yet (its gradients cannot be reduced "
+            f"after unsynchronised backwards). Use micro_batch_size=None and accumulate more calls instead."
+        )
+
+
+# ------------------------------------------------------------------------------------ gradient restore
+def _set_aside(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Take the gradients off the parameters (no copy): the call's backwards start from None."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return saved
+
+
+def _put_back(params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> None:
+    """Drop whatever a failed try accumulated and restore the gradients of the call's start."""
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+
+
+def _add_back(params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> None:
+    """The call succeeded: its gradients plus the ones set aside (in place, no new memory)."""
+    for p, g in zip(params, saved, strict=True):
+        if g is not None:
+            if p.grad is not None:
+                g.add_(p.grad)
+            p.grad = g
+
+
+def _release_memory() -> None:
+    gc.collect()  # the failed try's graph may sit in reference cycles
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------- calls
+class MicroBatcher:
+    """Runs one call of a decorated step as micro-batches; ``size`` is the rows per micro-batch (None: all).
+
+    Attributes:
+        auto: whether the size is found on out of memory.
+        size: the current rows per micro-batch; None while ``auto`` has not needed to split.
+    """
+
+    def __init__(self, micro_batch_size: int | str, split: Split | None) -> None:
+        self.auto = micro_batch_size == AUTO
+        self.size: int | None = None if self.auto else int(micro_batch_size)
+        self.split = split
+        self.backwards = 0  # micro-batch backwards run by the current call
+
+    def pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, list[Piece]]:
+        """The call's rows and micro-batches at the current size, checked before anything runs."""
+        size = sys.maxsize if self.size is None else self.size
+        if self.split is None:
+            return split_call(args, kwargs, size)
+        return custom_split(self.split, args, kwargs, size)
+
+    def run(
+        self,
+        host: MicroBatchHost,
+        wrapped: Callable[..., Any],
+        args: Any,
+        kwargs: dict[str, Any],
+        split: tuple[int | None, list[Piece]],
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Every micro-batch's forward and backward of one call: ``(detached loss, num_items, output)``.
+
+        ``split`` is what :meth:`pieces` returned for the call (checked before the step changed anything).
+
+        The loss is the whole batch's (the rows' mean for a mean loss, the items' mean otherwise) and the
+        output the last micro-batch's, its tensor extras concatenated (see ``speedups.accumulation.output``).
+        A failed call leaves the window's item counts as they were; under ``"auto"``, out of memory retries
+        at half the size, the gradients put back first; a failure after some backwards that cannot be undone
+        closes the window (a note on the error says so).
+        """
+        rows, pieces = split
+        params = host.trainable() if self.auto else []
+        window = host.window_counts()  # undone when a try fails
+        while True:
+            saved = _set_aside(params) if self.auto else None
+            try:
+                with host.unsynced():
+                    result = self._run(host, wrapped, rows, pieces)
+                break
+            except Exception as err:
+                host.restore_counts(window)
+                if saved is None:
+                    if self.backwards:  # gradients of part of this call are in .grad: none can be trusted
+                        dropped = host.drop_window()
+                        err.add_note(  # type: ignore[attr-defined]
+                            f"speedups.accumulate: this call failed after {self.backwards} of its "
+                            f"micro-batches had run backward, so the open accumulation window ({dropped} "
+                            f"call(s)) was dropped: gradients set to None, train_step.pending is 0. Nothing "
+                            f"was stepped."
+                        )
+                    raise
+                _put_back(params, saved)
+                largest = max((r or 0) for r, _, _ in pieces)
+                if not is_out_of_memory(err) or largest <= 1:
+                    raise
+            # Out of memory: outside the except block, so the traceback (and the graph) can be freed.
+            del saved
+            _release_memory()
+            self.size = (largest + 1) // 2
+            rows, pieces = self.pieces(args, kwargs)
+        if saved is not None:
+            _add_back(params, saved)
+        return result
+
+    def _run(
+        self, host: MicroBatchHost, wrapped: Callable[..., Any], rows: int | None, pieces: list[Piece]
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Forward and backward of every micro-batch: the whole call's detached loss, count and output."""
+        single = len(pieces) == 1
+        total: torch.Tensor | None = None
+        count: Any = 0
+        outs: list[Any] = []
+        n: Any = None
+        self.backwards = 0
+        for i, (piece_rows, piece_args, piece_kwargs) in enumerate(pieces):
+            out = wrapped(*piece_args, **piece_kwargs)
+            loss, n = host.parse(out)
+            detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
+            if n is None:  # a mean loss: the whole batch's mean weighs each micro-batch by its rows
+                if single:
+                    weight = 1.0
+                elif piece_rows is None or not rows:
+                    raise ValueError(
+                        "accumulate(..., split=...): the micro-batches' rows cannot be counted (no tensor "
+                        "with a dim 0), so a bare mean loss cannot be weighed. Return (loss, num_items)."
+                    )
+                else:
+                    weight = piece_rows / rows
+                host.backward_micro(loss, None, weight, first_piece=i == 0)
+                if single:
+                    total = detached
+                elif total is None:
+                    total = detached * weight
+                else:
+                    total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
+            else:
+                # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
+                keep = host.backward_micro(loss, n, 1.0, first_piece=i == 0)
+                part = detached if single else detached * n
+                if not single and keep is not None:
+                    part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
+                total = part if total is None else total + part
+                count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
+            self.backwards += 1
+            # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
+            outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
+        assert total is not None
+        if n is not None and not single:
+            if isinstance(count, torch.Tensor):
+                total = torch.where(count > 0, total / count, total)
+            elif count:
+                total = total / count
+            n = count
+        elif n is not None:
+            n = count
+        return total, n, merge_extras(outs)
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,129 @@
+"""The decorated step the user holds: ``@accumulate``'s visible state and methods, on functions and methods.
+
+A wrapt ``FunctionWrapper`` (bound methods get a ``BoundFunctionWrapper``) whose attributes read the
+accumulator (:mod:`speedups.accumulation.accumulator`, typed here by the :class:`StepOwner` protocol);
+nothing here runs on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+import wrapt
+
+__all__ = ["Step", "StepOwner"]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StepOwner(Protocol):
+    """What a :class:`Step` shows and forwards: the accumulator behind it."""
+
+    step: int
+    is_boundary: bool
+    num_updates: int
+    pending: int
+    scaler: torch.amp.GradScaler | None
+    last_step_skipped: bool
+    probe: torch.Tensor | None
+    micro: Any
+
+    def __call__(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any: ...
+    def flush(self) -> None: ...
+    def epoch(self, batches: Iterable[T]) -> Iterator[T]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def check_state(self, state: Any) -> None: ...
+
+
+def _shown(name: str, doc: str) -> Any:
+    """A read-only property showing the accumulator's attribute ``name``."""
+    return property(lambda self: getattr(self._acc(), name), doc=doc)
+
+
+class _StepAttributes:
+    """The visible state of a decorated step, shared by the function and its bound methods."""
+
+    def _acc(self) -> StepOwner:
+        raise NotImplementedError
+
+    step = _shown("step", "Micro-steps (calls) so far.")
+    is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
+    num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
+    pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
+    micro_batch_size = property(
+        lambda self: getattr(self._acc().micro, "size", None),
+        doc='Rows per micro-batch: the fixed size; under ``"auto"`` the size '
+        "found on out of memory, None while whole batches fit; None without ``micro_batch_size=``.",
+    )
+    scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
+    last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """Whether the last update saw NaN/inf: a 0-dim bool device tensor (no sync); None before one."""
+        probe = self._acc().probe
+        return None if probe is None else ~torch.isfinite(probe)
+
+    def flush(self) -> None:
+        """Apply the pending short window now, normalised by what it accumulated; no-op if none is pending.
+
+        Under DDP every rank must call it: one small all-reduce (which parameters have a gradient on some
+        rank, and the item count; a host sync), then one per gradient dtype. Unused everywhere: None.
+        """
+        self._acc().flush()
+
+    def epoch(self, batches: Iterable[T]) -> Iterator[T]:
+        """Yield from ``batches`` and :meth:`flush` when they are exhausted: windows never straddle epochs.
+
+        After :func:`~speedups.load_checkpoint` restored a window saved inside ``epoch()``, the next
+        ``epoch(loader)`` continues it: it is the same epoch, resumed mid-way (a
+        :class:`~speedups.DistributedLoader` must resume mid-epoch too, as its checkpoint makes it).
+
+        Raises:
+            SpeedupsError: a window of an earlier epoch is still pending (a loop broke out without flush()).
+        """
+        return self._acc().epoch(batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the step's state with a copy of the pending gradients (one gradient's memory) and scaler.
+
+        Saved with the model and optimizer, it resumes mid-window with the same weights as not stopping.
+        """
+        return self._acc().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the pending gradients too).
+
+        Loaded before the first fp16 call, the saved loss scale waits for the step's GradScaler and is
+        applied when ``mixed_precision`` hands it over: saving the step alone resumes fp16 exactly.
+
+        Raises:
+            ValueError: not such a dict, or made with another window size or model (nothing changed).
+        """
+        self._acc().load_state_dict(state)
+
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        self._acc().check_state(state)
+
+
+class _BoundStep(_StepAttributes, wrapt.BoundFunctionWrapper):
+    def _acc(self) -> StepOwner:
+        return self._self_parent._self_acc
+
+
+class Step(_StepAttributes, wrapt.FunctionWrapper, Generic[F]):
+    __bound_function_wrapper__ = _BoundStep
+
+    def __init__(self, wrapped: F, acc: StepOwner) -> None:
+        super().__init__(wrapped, acc)
+        self._self_acc = acc
+
+    def _acc(self) -> StepOwner:
+        return self._self_acc

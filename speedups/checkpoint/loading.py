@@ -1,0 +1,165 @@
+"""Resuming a run bit for bit: every entry checked before any object changes, then all loaded or none.
+
+``load_checkpoint(path, model=..., optimizer=..., loader=...)`` checks every entry first
+(:mod:`speedups.checkpoint.checks`) and only then loads; it also loads foreign ``torch.save`` dicts
+(``keys={"model": "state_dict"}``). FSDP2 directories go through :mod:`speedups.checkpoint.sharded`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from speedups._helpers.rng import set_rng_states
+from speedups.checkpoint import file_format
+from speedups.checkpoint.checks import check_entry, is_checked
+from speedups.checkpoint.entries import check_path, fsdp_type, saved_object, split_state
+from speedups.checkpoint.rng_states import rng_of_this_rank
+from speedups.checkpoint.sharded import load_sharded
+from speedups.errors import SpeedupsError
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, keys: Mapping[str, str] | None = None, **state: Any
+) -> dict[str, Any]:
+    """Load a checkpoint into the named objects, after checking every entry; return its plain values.
+
+    **Where to call it:** after building the model, optimizer, scheduler, loader and ``@accumulate`` step,
+    and *before* the loop starts iterating the loader (before ``iter(loader)``, ``for batch in loader`` or
+    ``train_step.epoch(loader)``). Then the resumed run equals the uninterrupted one bit for bit: weights,
+    optimizer, loss scale, tracker and the batch order, with every RNG restored at the point it was saved
+    (a loader still being iterated is refused with a SpeedupsError that says so).
+
+    Before any object changes it checks: every name was saved; a model's keys and shapes (wrapper prefixes
+    removed on both sides, so DDP / ``torch.compile`` / plain load into each other); an optimizer's class,
+    its groups' hyperparameter keys and sizes and its state's shapes; a scheduler's class and keys; and that
+    every speedups object accepts its entry. Other objects load first and are put back if one fails.
+
+    A foreign file (any ``torch.save`` dict) loads too: ``keys`` maps argument names to its entries, e.g.
+    ``load_checkpoint(path, model=m, optimizer=o, keys={"model": "state_dict"})`` returns its other entries
+    (``{"epoch": 3, ...}``); no RNG state is restored from it. Every rank passes the same ``path``.
+
+    Sync points: none beyond the copies ``load_state_dict`` makes to each parameter's device; no
+    collective (FSDP2 through ``torch.distributed.checkpoint``, which is collective).
+
+    Args:
+        path: the file (or FSDP2 directory) to read.
+        keys: argument name -> the file's entry, where they differ (``{"model": "state_dict"}``).
+        **state: the objects to restore, by name (a subset of what was saved is fine).
+
+    Returns:
+        The plain values saved (``{"epoch": 3}``); for a foreign file, every entry not loaded.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        TypeError, ValueError: a value has no ``load_state_dict``; ``keys`` is not a dict of names, or
+            names an object not passed; an entry a speedups object refuses.
+        SpeedupsError: the file is a directory, empty, truncated, damaged or not a dict (the message names
+            it); an entry is missing; a model, optimizer or scheduler does not match it. Nothing has
+            changed when it raises.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "theirs.pt")
+        >>> net = torch.nn.Linear(2, 1)
+        >>> torch.save({"epoch": 3, "state_dict": net.state_dict()}, path)    # a foreign layout
+        >>> load_checkpoint(path, model=torch.nn.Linear(2, 1), keys={"model": "state_dict"})
+        {'epoch': 3}
+    """
+    objects, extra = split_state("load_checkpoint", state, allow_empty=True)
+    if extra:
+        raise TypeError(
+            f"load_checkpoint({', '.join(f'{k}=...' for k in extra)}): plain values cannot be loaded into; "
+            f"they are returned: values = load_checkpoint(path, model=model)."
+        )
+    entry_of = _check_keys(keys, objects)
+    path = check_path("load_checkpoint", path)
+    said = f"load_checkpoint({str(path)!r})"
+    fsdp = fsdp_type()
+    if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+        if keys:
+            raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
+        return load_sharded(path, objects)
+    contents = file_format.read(path, said)
+    entries = contents.entries
+    missing = [name for name in objects if entry_of[name] not in entries]
+    if missing:
+        raise SpeedupsError(_missing(said, missing, entry_of, contents))
+    classes = contents.objects or {}
+    ready = {
+        name: check_entry(said, name, entry_of[name], saved_object(obj), entries[entry_of[name]],
+                          classes.get(entry_of[name]))
+        for name, obj in objects.items()
+    }  # fmt: skip
+    rng = rng_of_this_rank(contents.rng, said)  # checked before any object changes
+    _load_all(objects, ready)
+    if rng is not None:
+        set_rng_states(rng)
+    used = set(entry_of.values())
+    if contents.foreign:
+        return {k: v for k, v in entries.items() if k not in used}
+    return {k: v for k, v in entries.items() if k not in classes and k not in used}
+
+
+def _check_keys(keys: Any, objects: dict[str, Any]) -> dict[str, str]:
+    """Validate ``keys=``; return the file's entry for every object passed."""
+    if keys is None:
+        return {name: name for name in objects}
+    said = f"load_checkpoint(path, keys={keys!r})"
+    if not isinstance(keys, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in keys.items()
+    ):
+        raise TypeError(
+            f"{said}: expected a dict of argument name -> entry name, e.g. keys={{'model': 'state_dict'}}."
+        )
+    unknown = sorted(set(keys) - set(objects))
+    if unknown:
+        raise ValueError(
+            f"{said}: {unknown} name no object passed to load_checkpoint (passed: {sorted(objects)}). "
+            f"Pass the object too: load_checkpoint(path, {unknown[0]}=..., keys=...)."
+        )
+    return {name: keys.get(name, name) for name in objects}
+
+
+def _missing(said: str, missing: list[str], entry_of: dict[str, str], contents: Any) -> str:
+    held = sorted(contents.entries)
+    absent = [entry_of[n] for n in missing]
+    if not contents.foreign:
+        return f"{said}: {absent} were not saved; it holds {held}."
+    example = ", ".join(f"{n!r}: '...'" for n in missing)
+    hint = ""
+    if contents.entries and all(isinstance(v, torch.Tensor) for v in contents.entries.values()):
+        hint = (
+            " It looks like a bare model state_dict: load it with "
+            "model.load_state_dict(torch.load(path, weights_only=True))."
+        )
+    return (
+        f"{said}: not a checkpoint written by speedups.save_checkpoint (a plain torch.save dict), and it has "
+        f"no entry {absent}; it holds {held[:12]}{' ...' if len(held) > 12 else ''}. Map the names to its "
+        f"entries: load_checkpoint(path, ..., keys={{{example}}}).{hint}"
+    )
+
+
+def _load_all(objects: dict[str, Any], ready: dict[str, Any]) -> None:
+    """Load every object, all or none: objects checked beforehand (models, optimizers, schedulers, speedups
+    objects) load last; any other object loads first, after a copy of its state is taken, and is put back if
+    a later ``load_state_dict`` raises."""
+    order = sorted(objects.items(), key=lambda item: is_checked(saved_object(item[1])))
+    done: list[tuple[Any, Any]] = []
+    try:
+        for name, obj in order:
+            target = saved_object(obj)
+            before = None if is_checked(target) else copy.deepcopy(target.state_dict())
+            target.load_state_dict(ready[name])
+            done.append((target, before))
+    except Exception:
+        for target, before in reversed(done):
+            if before is not None:
+                target.load_state_dict(before)
+        raise

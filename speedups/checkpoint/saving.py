@@ -1,0 +1,99 @@
+"""Checkpoints that survive a crash: every rank's state in one file, written atomically by rank 0.
+
+``save_checkpoint(path, model=..., optimizer=..., loader=...)`` stores the ``state_dict()`` of every object
+passed by name (a model's plain keys, whatever wraps it), plain values (``step=120``) and the RNG states of
+every rank, as a plain dict (layout in :mod:`speedups.checkpoint.file_format`). Rank 0 writes a temporary
+file next to ``path`` and renames it over ``path`` (atomic); the other ranks wait until the file is complete.
+FSDP2 models go through ``torch.distributed.checkpoint`` (:mod:`speedups.checkpoint.sharded`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedups._helpers import env
+from speedups.checkpoint import file_format
+from speedups.checkpoint.entries import check_path, collective, fsdp_type, saved_object, split_state
+from speedups.checkpoint.rng_states import gather_rng
+from speedups.checkpoint.sharded import save_sharded
+from speedups.errors import SpeedupsError
+
+__all__ = ["save_checkpoint"]
+
+
+def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
+    """Save every named object's ``state_dict()``, plain values and every rank's RNG states to ``path``.
+
+    Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the RNG
+    gather, and a final wait); rank 0 alone writes, to a temporary name in the same directory, flushed to
+    disk, then renamed over ``path`` (atomic: a crash mid-write never leaves a broken checkpoint). The mode
+    follows the umask, as with ``torch.save``. A model is saved without wrapper prefixes (DDP ``module.``,
+    ``torch.compile``'s ``_orig_mod.``), so it loads into the plain or any wrapped model. The file is a
+    plain dict (``torch.load(path, weights_only=True)`` reads it without speedups): ``{name: state_dict or
+    value, ..., "_speedups": {format, world size, class names, RNG states}}``. A
+    :class:`~speedups.DistributedLoader` saves its epoch and position, so a resumed run continues with the
+    next batch. With an FSDP2 model, ``path`` is a directory written by ``torch.distributed.checkpoint``.
+
+    Sync points: the ``state_dict()`` calls (a device-to-host copy for some), an ``all_gather_object`` of the
+    RNG states and a broadcast from rank 0 after the write.
+
+    Args:
+        path: the checkpoint file (its directory is created), or directory for FSDP2.
+        **state: objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler, loader,
+            LossTracker, @accumulate step, mixed_precision) and plain values (``step=120``), by the names
+            used to load them.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        TypeError: a value is neither stateful nor plain data.
+        ValueError: nothing passed, or a name starts with ``_``.
+        SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank).
+
+    Example:
+        >>> import tempfile, os
+        >>> from torch import nn
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> _ = save_checkpoint(path, model=nn.Linear(2, 1), step=3)
+        >>> sorted(torch.load(path, weights_only=True))    # plain entries, readable without speedups
+        ['_speedups', 'model', 'step']
+        >>> from speedups import load_checkpoint
+        >>> load_checkpoint(path, model=nn.Linear(2, 1))
+        {'step': 3}
+    """
+    path = check_path("save_checkpoint", path)
+    objects, plain = split_state("save_checkpoint", state)
+    fsdp = fsdp_type()
+    if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+        save_sharded(path, objects, plain)
+        return path
+    targets = {name: saved_object(obj) for name, obj in objects.items()}
+    payload: dict[str, Any] = {name: target.state_dict() for name, target in targets.items()}
+    payload.update(plain)
+    payload[file_format.META] = {
+        "format": file_format.FORMAT,
+        "world_size": env.world_size(),
+        "objects": {name: type(target).__name__ for name, target in targets.items()},
+        "rng": gather_rng(),
+    }
+    error = ""
+    if env.rank() == 0:
+        try:
+            file_format.write(path, payload)
+        except OSError as err:
+            error = f"{type(err).__name__}: {err}"
+    if collective():
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)  # also the barrier: the file is complete now
+        error = box[0]
+    if error:
+        raise SpeedupsError(
+            f"save_checkpoint({str(path)!r}): rank 0 could not write the checkpoint ({error}). "
+            f"Check that the path is a file name in a writable directory with space."
+        )
+    return path

@@ -1,0 +1,397 @@
+"""Tip 9, the data half: a DataLoader whose ``DistributedSampler`` advances its epoch by itself.
+
+:func:`distributed` rebuilds a ``DataLoader`` around a sampler that gives each rank its share of every epoch,
+never forgets ``set_epoch``, can leave the padding out for evaluation (``even=False``) and resumes mid-epoch
+from :meth:`DistributedLoader.state_dict`. In a plain process (world size 1) the order is the whole dataset.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from speedups._helpers import env, validate
+from speedups.data.rank_sampler import RankSampler
+from speedups.data.sampler_adoption import adopted, check_adoptable
+from speedups.errors import SpeedupsError
+
+__all__ = ["DistributedLoader", "distributed"]
+
+
+class DistributedLoader(DataLoader):
+    """A ``DataLoader`` whose ``DistributedSampler`` advances its epoch by itself and can resume mid-epoch.
+
+    Made by :func:`distributed`; it *is* a ``DataLoader`` (``isinstance``, ``len``, ``iter``, every
+    attribute), built from the original's settings. Each ``iter()`` starts the next epoch (0, 1, 2, ...) and
+    calls ``sampler.set_epoch`` for you. :attr:`epoch` is the epoch of the current (or last) pass.
+    ``set_epoch(k)`` makes the next pass epoch k. :meth:`state_dict` holds the epoch and the number of
+    batches already handed out in it, so :func:`~speedups.load_checkpoint` resumes exactly after the last
+    batch trained on: neither replayed nor skipped (the skipped batches are never loaded). During a resumed
+    pass, ``len()`` is the number of batches that pass yields.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._next_epoch = 0
+        self._resume_batches = 0
+        self._current: tuple[int, int] | None = None  # (epoch, batches handed out) of the pass in progress
+        self._live: weakref.ref[_Counting] | None = None  # the iterator of the pass in progress
+        # The state of the generator the workers' base seed was drawn from, taken just before the draw (a
+        # pass's iterator draws once: from ``generator``, else the global torch RNG), and the one to draw
+        # from instead after a restore: a resumed pass then draws nothing the uninterrupted run did not.
+        self._seed_state: torch.Tensor | None = None
+        self._replay_seed: torch.Tensor | None = None
+        self._workers_started = False  # persistent workers: only the first iterator draws a base seed
+        self.epoch = -1
+        """Epoch of the current or last pass; -1 before the first."""
+
+    @property
+    def distributed_sampler(self) -> DistributedSampler:
+        """The ``DistributedSampler`` (also when it sits inside the loader's ``batch_sampler``)."""
+        sampler = self.sampler if self.batch_sampler is None else self.batch_sampler.sampler  # type: ignore[attr-defined]
+        return sampler  # type: ignore[return-value]
+
+    def _batch_size(self) -> int:
+        if self.batch_sampler is None:
+            return 1
+        return int(self.batch_sampler.batch_size)  # type: ignore[attr-defined]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run epoch ``epoch`` from its start (each later one then advances by 1)."""
+        with validate.arguments(f"DistributedLoader.set_epoch(epoch={epoch!r})"):
+            validate.integer(epoch, "epoch", minimum=0, example="0")
+        self._next_epoch = epoch
+        self._resume_batches = 0
+        self.distributed_sampler.start = 0  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.distributed_sampler
+        epoch, skip = self._next_epoch, self._resume_batches
+        sampler.set_epoch(epoch)
+        sampler.start = skip * self._batch_size()  # type: ignore[attr-defined]
+        self._next_epoch, self._resume_batches = epoch + 1, 0
+        self.epoch = epoch
+        self._current = (epoch, skip)
+        counting = _Counting(self, self._inner_iterator(), epoch, skip)
+        self._live = weakref.ref(counting)
+        return counting
+
+    def _inner_iterator(self) -> Iterator[Any]:
+        """The DataLoader's iterator; its one base-seed draw replays a restored one instead of a new draw."""
+        replay, self._replay_seed = self._replay_seed, None
+        persistent = bool(self.persistent_workers and self.num_workers > 0)
+        if persistent and self._workers_started:
+            return super().__iter__()  # the same workers: torch draws no new base seed
+        source = self.generator if self.generator is not None else torch.default_generator
+        if replay is None:
+            self._seed_state = source.get_state()
+            inner = super().__iter__()
+        else:  # resumed: the draw the uninterrupted run made before the checkpoint, made again from its state
+            self._seed_state = replay
+            now = source.get_state()
+            source.set_state(replay)
+            try:
+                inner = super().__iter__()
+            finally:
+                source.set_state(now)
+        self._workers_started = persistent
+        return inner
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return where the next batch comes from, and what the next pass must draw. No sync.
+
+        Keys: ``epoch`` and ``batches`` (the position), ``world_size`` and ``rank``, ``seed_state`` (the RNG
+        state the running pass drew its workers' base seed from, so a resumed pass draws the same seed
+        without touching the global RNG; None at an epoch boundary, where the next pass draws afresh as an
+        uninterrupted run does) and ``generator`` (the state of the loader's ``generator``, or None).
+        """
+        epoch, batches = (
+            self._current if self._current is not None else (self._next_epoch, self._resume_batches)
+        )
+        keep_seed = self._current is not None or self._workers_started or self._replay_seed is not None
+        seed = self._replay_seed if self._replay_seed is not None else self._seed_state
+        return {
+            "epoch": epoch,
+            "batches": batches,
+            "world_size": self.distributed_sampler.num_replicas,
+            "rank": self.distributed_sampler.rank,
+            "seed_state": seed.clone() if keep_seed and seed is not None else None,
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+
+    def _check_state(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        said = "DistributedLoader.load_state_dict(state)"
+        required, optional = {"epoch", "batches", "world_size", "rank"}, {"seed_state", "generator"}
+        if not isinstance(state, dict) or not required <= set(state) <= required | optional:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"{said}: expected keys {sorted(required | optional)}, got {got}. "
+                f"Pass what DistributedLoader.state_dict() returned."
+            )
+        for key in ("epoch", "batches"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{said}: state[{key!r}]={value!r}, expected an int >= 0.")
+        samples, size = self.distributed_sampler.num_samples, self._batch_size()
+        drop_last = self.batch_sampler is not None and bool(getattr(self.batch_sampler, "drop_last", False))
+        per_epoch = samples // size if drop_last else -(-samples // size)
+        if state["batches"] > per_epoch:
+            raise ValueError(
+                f"{said}: state['batches']={state['batches']} but an epoch "
+                f"of this loader has {per_epoch} batches on this rank. Resume with the same loader settings."
+            )
+        world = self.distributed_sampler.num_replicas
+        if state["batches"] and state["world_size"] != world:
+            raise ValueError(
+                f"{said}: saved mid-epoch with world size "
+                f"{state['world_size']}, loaded with {world}: the batches would not line up. Resume with the "
+                f"same world size, or from a checkpoint taken at an epoch boundary."
+            )
+        for key in ("seed_state", "generator"):
+            value = state.get(key)
+            if value is not None and not _is_generator_state(value):
+                raise ValueError(
+                    f"{said}: state[{key!r}] is not a CPU generator state (a uint8 tensor from "
+                    f"torch.Generator.get_state()). Pass what DistributedLoader.state_dict() returned."
+                )
+        if state.get("generator") is not None and self.generator is None:
+            raise ValueError(
+                f"{said}: the loader was saved with its own generator= and this one has none. Build it as "
+                f"it was built: DataLoader(..., generator=torch.Generator()) or fast_loader(..., seed=0)."
+            )
+        live = None if self._live is None else self._live()
+        if live is not None and not live.finished:
+            raise SpeedupsError(
+                f"{said}: an iterator of this loader is still running (epoch {live.epoch}, "
+                f"{live.done} batches handed out): it was built before the restore and would go on from the "
+                f"old position. Load the checkpoint before the loop starts: load_checkpoint(path, "
+                f"loader=loader, ...) first, then `for batch in loader:` (or train_step.epoch(loader))."
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``iter()`` runs epoch ``state["epoch"]`` from batch ``state["batches"]``.
+
+        Call it (or :func:`~speedups.load_checkpoint`) before ``iter(loader)``: the next pass then draws the
+        same base seed for its workers as the uninterrupted run, without consuming the global RNG.
+
+        Raises:
+            ValueError: ``state`` is not what :meth:`state_dict` returns, or it is mid-epoch and was saved
+                with another world size (its batches would not line up).
+            SpeedupsError: an iterator of this loader is still running (load before the loop).
+        """
+        self._check_state(state)
+        self._next_epoch, self._resume_batches = int(state["epoch"]), int(state["batches"])
+        self._current = None
+        self._replay_seed = None if state.get("seed_state") is None else state["seed_state"].clone()
+        if state.get("generator") is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+        self.distributed_sampler.start = self._resume_batches * self._batch_size()  # type: ignore[attr-defined]
+
+
+def _is_generator_state(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        return False
+    try:
+        torch.Generator().set_state(value)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
+class _Counting:
+    """The DataLoader's iterator, counting batches handed out so the loader knows its position."""
+
+    def __init__(self, loader: DistributedLoader, inner: Iterator[Any], epoch: int, skip: int) -> None:
+        self._loader, self._inner, self.epoch, self.done = loader, inner, epoch, skip
+        self.finished = False
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self.finished = True
+            if self._loader._current is not None and self._loader._current[0] == self.epoch:
+                self._loader._current = None  # finished: the next pass is the next epoch
+            raise
+        self.done += 1
+        if self._loader._current is not None and self._loader._current[0] == self.epoch:
+            self._loader._current = (self.epoch, self.done)
+        return batch
+
+
+_PASSED_THROUGH = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def distributed(
+    loader: DataLoader,
+    *,
+    shuffle: bool | None = None,
+    even: bool = True,
+    seed: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> DistributedLoader:
+    """Return ``loader`` rebuilt with a ``DistributedSampler``: each rank gets its share of every epoch.
+
+    The new loader keeps every setting of the original (batch size, ``drop_last``, workers, ``collate_fn``,
+    ``generator``, ...); only the sampler changes, also inside a ``BatchSampler``. It is a
+    :class:`DistributedLoader`: each ``iter()`` advances the epoch, the same on all ranks, so no
+    ``set_epoch`` can be forgotten; ``set_epoch(k)`` or ``load_state_dict`` resume exactly, mid-epoch too.
+    ``even=True`` (training) pads as ``DistributedSampler`` does, so every rank gets as many batches (DDP's
+    all-reduce needs that). ``even=False`` (evaluation) gives each sample to exactly one rank, so a metric
+    does not depend on the world size; batch counts may then differ by one: run no per-batch collective,
+    reduce once after the loop (``LossTracker(all_ranks=True)`` or :func:`~speedups.gather`). The original
+    loader is not modified. A loader that already has a ``DistributedSampler`` (code written for torchrun) is
+    adopted, never split twice: the same ranks, shuffling, seed and ``drop_last``, with ``set_epoch(e)`` on
+    pass ``e``; arguments that contradict that sampler raise.
+
+    Sync points: none (each rank computes the same permutation from ``seed + epoch``).
+
+    Args:
+        loader: a map-style ``DataLoader`` whose sampler is a ``RandomSampler`` (shuffled),
+            a ``SequentialSampler`` (not shuffled), a ``DistributedSampler`` (adopted), or one of them inside
+            a ``BatchSampler``.
+        shuffle: shuffle every epoch; None keeps what the original did.
+        even: pad so every rank gets equal batch counts (True, training), or give every sample exactly once
+            (False, evaluation).
+        seed: the shuffling seed; must be the same on all ranks. The order comes from ``seed + epoch``, not
+            from the loader's ``generator`` (nor ``fast_loader(..., seed=3)``): pass ``seed=3`` here too.
+        rank: this process's global rank; None reads it from the process group or ``RANK``/``SLURM_PROCID``
+            (the global rank, never the local one).
+        world_size: the number of ranks; None reads it like ``rank``.
+
+    Returns:
+        A :class:`DistributedLoader`.
+
+    Raises:
+        TypeError: ``loader`` is not a DataLoader, or holds an ``IterableDataset``, or a sampler that cannot
+            be split across ranks (weighted, subset, custom).
+        ValueError: ``rank``/``world_size`` out of range, ``loader`` is already a :class:`DistributedLoader`,
+            or an argument contradicts the ``DistributedSampler`` it holds.
+        SpeedupsError: the environment contradicts itself.
+
+    Example:
+        >>> loader = DataLoader(list(range(10)), batch_size=2, shuffle=True)
+        >>> ranks = [distributed(loader, rank=r, world_size=2) for r in (0, 1)]
+        >>> [len(r) for r in ranks]                    # 5 samples each: batches of 2, 2, 1
+        [3, 3]
+        >>> epoch0 = [sorted(x for b in r for x in b.tolist()) for r in ranks]
+        >>> sorted(epoch0[0] + epoch0[1]) == list(range(10))   # disjoint, covering everything
+        True
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"distributed(loader={type(loader).__name__}): expected a torch.utils.data.DataLoader. "
+            f"Build one first: distributed(DataLoader(dataset, batch_size=..., shuffle=True))."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            f"distributed(loader=DataLoader({type(loader.dataset).__name__})): an IterableDataset has no "
+            f"indices a DistributedSampler could split, so every rank would read the same stream. Split the "
+            f"stream inside the dataset's __iter__ by rank (torch.distributed.get_rank(), get_world_size(), "
+            f"and torch.utils.data.get_worker_info() for workers), or use a map-style Dataset "
+            f"(__getitem__ and __len__)."
+        )
+    if isinstance(loader, DistributedLoader):
+        raise ValueError(f"distributed(loader={type(loader).__name__}): this loader is already distributed.")
+    said = (
+        f"distributed(shuffle={shuffle!r}, even={even!r}, seed={seed!r}, rank={rank!r}, "
+        f"world_size={world_size!r})"
+    )
+    with validate.arguments(said):
+        if shuffle is not None:
+            validate.flag(shuffle, "shuffle")
+        validate.flag(even, "even")
+        validate.integer(seed, "seed", example="0 (the same on every rank)")
+        validate.integer(world_size, "world_size", minimum=1, none_ok=True)
+        validate.integer(rank, "rank", minimum=0, none_ok=True)
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise TypeError(
+            f"distributed(loader): its batch_sampler is a {type(batch_sampler).__name__}, which cannot be "
+            f"rebuilt around a DistributedSampler. Give the DataLoader a batch_size and a RandomSampler or "
+            f"SequentialSampler instead, or split indices by rank inside your batch sampler."
+        )
+    inner = loader.sampler if batch_sampler is None else batch_sampler.sampler
+    if isinstance(inner, DistributedSampler):  # code written for torchrun: adopt its split, never split twice
+        check_adoptable(inner, loader)
+        shuffle, seed, rank, world_size = adopted(inner, shuffle, seed, rank, world_size, said)
+        was_shuffled = shuffle
+    elif type(inner) is RandomSampler:
+        if inner.replacement or inner._num_samples is not None:
+            raise TypeError(
+                "distributed(loader): its RandomSampler draws with replacement or a num_samples, which a "
+                "DistributedSampler cannot reproduce. Use shuffle=True without those."
+            )
+        was_shuffled = True
+    elif type(inner) is SequentialSampler:
+        was_shuffled = False
+    else:
+        raise TypeError(
+            f"distributed(loader): its sampler is a {type(inner).__name__}; only a RandomSampler "
+            f"(shuffle=True) or SequentialSampler (shuffle=False) can be split across ranks. For weighted or "
+            f"subset sampling, split the indices by rank yourself."
+        )
+    here = env.placement(call="distributed()")
+    num_replicas = here.world_size if world_size is None else world_size
+    this_rank = here.rank if rank is None else rank
+    if this_rank >= num_replicas:
+        raise ValueError(
+            f"{said}: rank={this_rank} must be below world_size={num_replicas}. Pass a rank in "
+            f"range({num_replicas}), or leave rank and world_size to the launcher (None)."
+        )
+    sampler = RankSampler(
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=this_rank,
+        shuffle=was_shuffled if shuffle is None else shuffle,
+        seed=seed,
+        even=even,
+    )
+    if isinstance(inner, DistributedSampler) and inner.drop_last and even:  # its split, tail dropped
+        sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
+    params = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {
+        name: getattr(loader, name) for name in _PASSED_THROUGH if name in params and hasattr(loader, name)
+    }
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    if loader.batch_size is not None:  # built from batch_size: keep batch_size and drop_last as attributes
+        kwargs.update(sampler=sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif batch_sampler is not None:  # the user's own BatchSampler: rebuild it around the new sampler
+        kwargs["batch_sampler"] = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+    else:
+        kwargs.update(sampler=sampler, batch_size=None)
+    return DistributedLoader(loader.dataset, **kwargs)

@@ -1,0 +1,175 @@
+"""Tip 1: a DataLoader with fast defaults, seeded workers, and a pickling check before any worker starts.
+
+``fast_loader(dataset, batch_size)`` returns a plain :class:`torch.utils.data.DataLoader` with worker
+processes sized to the CPUs this process may use, persistent workers, pinned memory only where CUDA is used,
+and worker seeding that gives every worker and every epoch its own ``numpy`` and ``random`` streams.
+
+Under the ``spawn`` and ``forkserver`` start methods (the default on macOS, Windows and Python 3.14) what a
+worker needs is test-pickled first, so a lambda ``collate_fn`` fails early with a message that names it,
+instead of a ``PicklingError`` in the middle of an epoch (:mod:`speedups.data.workers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from speedups._helpers import validate
+from speedups._helpers.hardware import cpus_per_process
+from speedups._helpers.validate import short
+from speedups.data.workers import dataloader_parameters, seed_worker, start_method, unpicklable_for_workers
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = ["fast_loader"]
+
+def has_per_epoch_state(dataset: object, depth: int = 4) -> bool:
+    """Whether ``dataset``, or one it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), has set_epoch.
+
+    ``set_epoch`` is the convention (Hugging Face datasets, WebDataset, torchdata, Lightning, Accelerate) of a
+    dataset whose samples depend on the epoch; the main process calls it, so persistent workers, which hold
+    the copy made when they started, would never see it.
+    """
+    if callable(getattr(dataset, "set_epoch", None)):
+        return True
+    if depth == 0:
+        return False
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and inner is not dataset and has_per_epoch_state(inner, depth - 1):
+        return True
+    many = getattr(dataset, "datasets", None)
+    if isinstance(many, (list, tuple)):
+        return any(d is not dataset and has_per_epoch_state(d, depth - 1) for d in many[:64])
+    return False
+
+
+def _default_prefetch(num_workers: int) -> int:
+    """Batches each worker loads ahead: at least 2 (torch's default), and at least 4 in flight in total."""
+    return max(2, math.ceil(4 / num_workers))
+
+
+# ------------------------------------------------------------------------------------------ fast_loader
+def fast_loader(
+    dataset: Any,
+    batch_size: int | None = 1,
+    *,
+    shuffle: bool = False,
+    num_workers: int | str = "auto",
+    seed: int | None = None,
+    **dataloader_kwargs: Any,
+) -> DataLoader[Any]:
+    """Build a plain ``torch.utils.data.DataLoader`` with defaults that keep the training step fed.
+
+    Against ``DataLoader(dataset, batch_size, shuffle=shuffle)``: ``num_workers="auto"`` gives one worker per
+    CPU this process may use, shared among the node's processes (``LOCAL_WORLD_SIZE``), or 0 for an
+    ``IterableDataset`` (one :class:`~speedups.SpeedupsWarning`: each worker would replay the stream); with
+    workers, ``persistent_workers=True`` and a ``prefetch_factor`` that keeps 4 batches in flight;
+    persistent workers stay off for a dataset with ``set_epoch`` (or wrapping one), since workers started
+    once would keep its epoch-0 state: they restart each epoch, as a plain ``DataLoader``'s do;
+    ``pin_memory`` only with CUDA; a ``worker_init_fn`` that seeds ``numpy`` and ``random`` in each worker
+    from torch's per-worker seed and then calls yours, so every worker and epoch draws its own numbers,
+    reproducibly from ``seed`` or ``generator``. Any other keyword goes to ``DataLoader`` and wins. It does
+    not help a ``TensorDataset`` already in memory: measure with :func:`~speedups.tune_loader`.
+
+    Args:
+        dataset: a map-style or iterable-style dataset.
+        batch_size: samples per batch (an int >= 1), or None to disable automatic batching.
+        shuffle: reshuffle the sample order every epoch.
+        num_workers: ``"auto"`` or a number of worker processes >= 0.
+        seed: seed of a new ``torch.Generator`` for shuffling and the workers' seeds (not with
+            ``generator=``); None uses the global torch RNG.
+        **dataloader_kwargs: any other ``DataLoader`` argument (``collate_fn``, ``sampler``, ...).
+
+    Returns:
+        A plain ``DataLoader``; its ``worker_init_fn`` is picklable.
+
+    Raises:
+        TypeError: an argument of the wrong type, or an argument ``DataLoader`` does not take.
+        ValueError: ``batch_size`` < 1, ``num_workers`` < 0, or both ``seed`` and ``generator``.
+        SpeedupsError: workers would start with ``spawn``/``forkserver`` and the dataset, ``collate_fn``
+            or ``worker_init_fn`` cannot be pickled (the message names it; checked before any worker starts).
+
+    Example:
+        >>> loader = fast_loader(list(range(10)), batch_size=4, num_workers=0, seed=0, shuffle=True)
+        >>> [len(b) for b in loader]
+        [4, 4, 2]
+        >>> type(loader).__name__, loader.pin_memory == torch.cuda.is_available()
+        ('DataLoader', True)
+
+    Source: PyTorch's data loading notes ("Randomness in multi-process data loading"); README, Tip 1.
+    """
+    if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "__iter__")) or isinstance(
+        dataset, (str, bytes)
+    ):
+        raise TypeError(
+            f"fast_loader(dataset={short(dataset)}): expected a map-style dataset (with __getitem__ "
+            f"and __len__) or an IterableDataset, got {type(dataset).__name__}. "
+            f"E.g. fast_loader(TensorDataset(x, y), 64)."
+        )
+    user_init = dataloader_kwargs.get("worker_init_fn")
+    said = f"fast_loader(batch_size={batch_size!r}, num_workers={num_workers!r}, seed={seed!r})"
+    with validate.arguments(said):
+        validate.integer(batch_size, "batch_size", minimum=1, none_ok=True, example="64 (None: no batching)")
+        if num_workers != "auto":
+            fix = "'auto' (one per CPU) or num_workers=0 (the main process loads)"
+            validate.integer(num_workers, "num_workers", minimum=0, example=fix)
+        validate.flag(shuffle, "shuffle")
+        validate.integer(seed, "seed", none_ok=True, example="0")
+        if seed is not None and dataloader_kwargs.get("generator") is not None:
+            raise ValueError(
+                "both seed and generator were given; they choose the same thing. Pass one: "
+                "seed=0, or generator=torch.Generator().manual_seed(0)."
+            )
+        unknown = sorted(set(dataloader_kwargs) - dataloader_parameters())
+        if unknown:
+            allowed = sorted(dataloader_parameters() - {"self", "num_workers", "shuffle", "batch_size"})
+            raise TypeError(f"unknown DataLoader argument(s) {unknown}. Allowed: {allowed}.")
+        if user_init is not None and not callable(user_init):
+            raise TypeError(f"worker_init_fn={user_init!r}: expected a function of the worker id, or None.")
+
+    kwargs = dict(dataloader_kwargs)
+    iterable = isinstance(dataset, IterableDataset)
+    if num_workers == "auto":
+        workers = 0 if iterable else cpus_per_process()  # may be 0: fewer CPUs than local processes
+        if iterable:
+            warnings.warn(
+                "fast_loader(num_workers='auto'): an IterableDataset gets 0 workers, since every worker "
+                "would replay the whole stream unless the dataset shards itself with get_worker_info(). "
+                "If yours does, pass num_workers=N.",
+                SpeedupsWarning,
+                stacklevel=2,
+            )
+        if workers == 0:  # settings that only mean something with workers: "auto" did not apply
+            for key in ("persistent_workers", "prefetch_factor", "multiprocessing_context"):
+                kwargs.pop(key, None)
+    else:
+        workers = int(num_workers)
+
+    kwargs["worker_init_fn"] = (
+        seed_worker if user_init is None else functools.partial(seed_worker, init_fn=user_init)
+    )
+    if workers > 0:
+        # A dataset whose state changes per epoch (set_epoch) must reach fresh workers each epoch, as it does
+        # with a plain DataLoader; persistent workers would silently keep their epoch-0 copy of it.
+        kwargs.setdefault("persistent_workers", not has_per_epoch_state(dataset))
+        kwargs.setdefault("prefetch_factor", _default_prefetch(workers))
+        method = start_method(kwargs.get("multiprocessing_context"))
+        bad = unpicklable_for_workers(method, dataset, kwargs.get("collate_fn"), user_init)
+        if bad is not None:
+            name, obj, err = bad
+            raise SpeedupsError(
+                f"fast_loader({name}={short(obj)}, num_workers={num_workers!r}): workers start "
+                f"with {method!r}, which pickles the {name} for each worker, and it cannot be pickled "
+                f"({type(err).__name__}: {err}). Define it at module level (no lambda, local function "
+                f"or local class), or load in the main process: num_workers=0."
+            )
+    kwargs.setdefault("pin_memory", torch.cuda.is_available())
+    if seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    if not iterable or shuffle:
+        kwargs["shuffle"] = shuffle
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)

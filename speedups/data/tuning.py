@@ -1,0 +1,352 @@
+"""Tip 2: ``num_workers``, ``pin_memory`` and ``prefetch_factor`` chosen by measurement, not by folklore.
+
+``tune_loader(loader)`` times a few settings for a few batches each and returns a rebuilt loader with the
+fastest one, plus a :class:`LoaderReport`; the batches it yields, and their order, never change.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from speedups._helpers import validate
+from speedups._helpers.hardware import cpus_per_process
+from speedups._helpers.rng import preserved_rng
+from speedups._helpers.validate import short
+from speedups.data.timing import (
+    TUNED,
+    LoaderTrial,
+    better,
+    rebuild_loader,
+    sampler_generators,
+    sampling_kwargs,
+    time_setting,
+    timing_sampling,
+)
+from speedups.data.workers import start_method, unpicklable_for_workers
+from speedups.errors import SpeedupsWarning
+
+__all__ = ["LoaderReport", "tune_loader"]
+
+# A setting within this fraction of the fastest counts as a tie; ties go to fewer workers (less memory).
+_TIE = 0.05
+
+
+@dataclass
+class LoaderReport:
+    """What :func:`tune_loader` measured and chose; ``print(report)`` shows a table.
+
+    Attributes:
+        trials: every timed setting, in the order run.
+        chosen: the DataLoader arguments of the returned loader (``num_workers``, ``pin_memory``,
+            ``prefetch_factor``, ``persistent_workers``).
+        reason: why those, in one or two sentences.
+        seconds: total wall time of the tuning.
+        start_method: the multiprocessing start method the workers use.
+    """
+
+    trials: list[LoaderTrial] = field(default_factory=list)
+    chosen: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    seconds: float = 0.0
+    start_method: str = ""
+
+    def __str__(self) -> str:
+        lines = [
+            f"tune_loader: {len(self.trials)} setting(s) timed in {self.seconds:.1f} s "
+            f"(start method {self.start_method!r})",
+            f"{'num_workers':>11}  {'pin_memory':>10}  {'prefetch':>8}  {'batches/s':>10}  {'batches':>7}",
+        ]
+        for t in self.trials:
+            mark = (
+                "  <- chosen"
+                if all(t.settings[k] == self.chosen.get(k) for k in TUNED) and t.batches > 0
+                else ""
+            )
+            prefetch = "-" if t.prefetch_factor is None else str(t.prefetch_factor)
+            lines.append(
+                f"{t.num_workers:>11}  {t.pin_memory!s:>10}  {prefetch:>8}  {t.batches_per_s:>10.1f}  "
+                f"{t.batches:>7}{mark}"
+            )
+        chosen = ", ".join(f"{k}={v!r}" for k, v in self.chosen.items())
+        lines.append(f"chosen: {chosen}")
+        lines.append(f"why: {self.reason}")
+        return "\n".join(lines)
+
+
+def _check_tune_args(
+    loader: object, max_seconds: object, candidates: object, progress: object
+) -> list[dict[str, Any]] | None:
+    """Validate ``tune_loader``'s arguments; return the candidates as full dicts, or None for the grid."""
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"tune_loader(loader={short(loader)}): expected a torch.utils.data.DataLoader, got "
+            f"{type(loader).__name__}. Pass the loader itself, e.g. tune_loader(DataLoader(ds, 64))."
+        )
+    if type(loader) is not DataLoader:
+        raise TypeError(
+            f"tune_loader(loader={type(loader).__name__}): a DataLoader subclass would be rebuilt as a plain "
+            f"DataLoader and lose what the subclass adds (a DistributedLoader would stop advancing its "
+            f"epoch). Tune the plain loader first, then wrap it: "
+            f"loader = distributed(tune_loader(loader)[0])."
+        )
+    with validate.arguments(f"tune_loader(max_seconds={max_seconds!r}, candidates={candidates!r})"):
+        validate.flag(progress, "progress")
+        validate.real(max_seconds, "max_seconds", positive=True, example="20 (seconds)")
+        if candidates is None:
+            return None
+        example = "candidates=[{'num_workers': 0}, {'num_workers': 2, 'prefetch_factor': 4}]"
+        if (
+            isinstance(candidates, (str, bytes, Mapping))
+            or not isinstance(candidates, Sequence)
+            or not candidates
+        ):
+            raise TypeError(f"candidates must be a non-empty list of dicts, or None. Pass e.g. {example}.")
+        out = []
+        for cand in candidates:  # entries of a list: a malformed one is a ValueError whatever its type
+            if not isinstance(cand, Mapping) or not set(cand) <= set(TUNED) or "num_workers" not in cand:
+                raise ValueError(
+                    f"each candidate is a dict with 'num_workers' and optionally 'pin_memory' and "
+                    f"'prefetch_factor'; got {cand!r}. Pass e.g. {example}."
+                )
+            w, pin, pf = cand["num_workers"], cand.get("pin_memory"), cand.get("prefetch_factor")
+            if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+                raise ValueError(f"num_workers must be an int >= 0, got {w!r}. Pass e.g. {example}.")
+            if pin is not None and not isinstance(pin, bool):
+                raise ValueError(f"pin_memory must be a bool, got {pin!r}. Pass e.g. {example}.")
+            if pf is not None and (isinstance(pf, bool) or not isinstance(pf, int) or pf < 1 or w == 0):
+                raise ValueError(
+                    f"prefetch_factor must be an int >= 1 and only with num_workers > 0, got {cand!r}. "
+                    f"Pass e.g. {example}."
+                )
+            out.append({"num_workers": w, "pin_memory": pin, "prefetch_factor": pf})
+    return out
+
+
+def _default_grid(loader: DataLoader[Any]) -> list[int]:
+    most = max(1, cpus_per_process())  # measuring one worker is cheap even on a crowded node
+    grid = {0, most, loader.num_workers}
+    w = 1
+    while w < most:
+        grid.add(w)
+        w *= 2
+    return sorted(grid)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    """A tqdm bar that appears only after a second (tqdm is optional: no bar without it)."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+        except ImportError:
+            pass
+        else:
+            return tqdm(
+                total=total, desc="tune_loader", unit="setting", delay=1.0, leave=False, file=sys.stderr
+            )
+    return None
+
+
+def tune_loader(
+    loader: DataLoader[Any],
+    *,
+    max_seconds: float = 20.0,
+    candidates: Sequence[Mapping[str, Any]] | None = None,
+    progress: bool = True,
+) -> tuple[DataLoader[Any], LoaderReport]:
+    """Time a few loader settings on this machine and return a loader rebuilt with the fastest one.
+
+    Each setting (``num_workers``, ``pin_memory``, ``prefetch_factor``) is timed twice, round-robin, on a
+    share of ``max_seconds`` after a warm-up of ``num_workers * prefetch_factor`` batches, and keeps its
+    better rate. The default grid is 0, 1, 2, 4, ... workers up to the CPUs this process may use (and the
+    loader's own count), then ``prefetch_factor=4`` for the fastest, then ``pin_memory`` flipped with CUDA.
+    A setting within 5% of the fastest is a tie, won by fewer workers. Only loading is timed (no training
+    step): it helps when ``__getitem__`` is CPU-heavy; for a ``TensorDataset`` in memory 0 workers wins.
+
+    What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
+    ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
+    persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on).
+    Timing reads its own indices on a copy of the generator and restores the global RNG states (state a
+    dataset keeps in itself, such as its own ``numpy.random.Generator``, does advance). Unpicklable code
+    under ``spawn``/``forkserver`` keeps 0 workers, and an ``IterableDataset`` its worker count, each with
+    one :class:`~speedups.SpeedupsWarning`.
+
+    Args:
+        loader: the plain DataLoader to tune; it is not modified and can still be used.
+        max_seconds: time budget in seconds (> 0), worker start-up included; one started trial may overrun.
+        candidates: settings to time instead of the grid, e.g.
+            ``[{"num_workers": 0}, {"num_workers": 4, "prefetch_factor": 4, "pin_memory": True}]``.
+        progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
+
+    Returns:
+        ``(new_loader, report)``: a plain ``DataLoader`` and a :class:`LoaderReport` (``print`` it).
+
+    Raises:
+        TypeError: ``loader`` is not a plain DataLoader (a subclass such as ``distributed()``'s would lose
+            its behaviour: tune first, then wrap), or an argument has the wrong type.
+        ValueError: ``max_seconds`` not > 0 and finite, or a malformed candidate.
+
+    Example:
+        >>> loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+        >>> tuned, report = tune_loader(loader, max_seconds=1, candidates=[{"num_workers": 0}])
+        >>> [b.tolist() for b in tuned] == [b.tolist() for b in loader]
+        True
+        >>> report.chosen["num_workers"]
+        0
+    """
+    explicit = _check_tune_args(loader, max_seconds, candidates, progress)
+    began = time.perf_counter()
+    deadline = began + float(max_seconds)
+    method = start_method(loader.multiprocessing_context)
+    cuda = torch.cuda.is_available()
+    iterable = isinstance(loader.dataset, IterableDataset)
+    notes: list[str] = []
+
+    blocked = unpicklable_for_workers(method, loader.dataset, loader.collate_fn, loader.worker_init_fn)
+    if blocked is not None:
+        name, obj, err = blocked
+        warnings.warn(
+            f"tune_loader({name}={short(obj)}): workers start with {method!r}, which pickles the "
+            f"{name}, and it cannot be pickled ({type(err).__name__}: {err}); staying at 0 workers. "
+            f"Define it at module level (no lambda, local function or local class) to let workers help.",
+            SpeedupsWarning,
+            stacklevel=2,
+        )
+        notes.append(f"the {name} cannot be pickled under {method!r}, so only 0 workers was possible")
+    if iterable:
+        warnings.warn(
+            f"tune_loader(IterableDataset {type(loader.dataset).__name__}): num_workers is kept at "
+            f"{loader.num_workers}, since each extra worker would replay the whole stream unless the "
+            f"dataset shards itself with get_worker_info(); only pin_memory and prefetch_factor are tuned.",
+            SpeedupsWarning,
+            stacklevel=2,
+        )
+        notes.append("num_workers is not tuned for an IterableDataset")
+
+    # Persistent workers draw the epoch's base seed from the generator only once; 0 workers (or
+    # non-persistent ones) draw it every epoch. Switching between the two would shift a shuffle that shares
+    # that generator from the second epoch on, so the loader's own choice is kept.
+    persistent = bool(loader.persistent_workers and loader.num_workers > 0)
+    if persistent and blocked is None and not iterable:
+        notes.append(
+            "0 workers was not timed: the loader's persistent workers draw their seed from the generator "
+            "once, 0 workers would draw it every epoch and change the shuffle from the second epoch on"
+        )
+
+    def allowed(workers: int) -> bool:
+        if blocked is not None and workers > 0:
+            return False
+        if persistent and blocked is None and workers == 0:
+            return False
+        return not (iterable and workers != loader.num_workers)
+
+    def settings(workers: int, pin: bool | None, prefetch: int | None) -> tuple[int, bool, int | None]:
+        pin = cuda if pin is None else pin
+        if workers == 0:
+            return (0, pin, None)
+        return (workers, pin, prefetch or 2)
+
+    if explicit is not None:
+        plan = [settings(c["num_workers"], c["pin_memory"], c["prefetch_factor"]) for c in explicit]
+        plan = [s for s in plan if allowed(s[0])]
+        extra_phases = False
+    else:
+        grid = [loader.num_workers] if iterable else _default_grid(loader)
+        plan = [settings(w, None, None) for w in grid if allowed(w)]
+        extra_phases = True
+    if not plan:  # every candidate was excluded: keep the loader's own worker count
+        plan = [settings(0 if blocked is not None else loader.num_workers, None, None)]
+    plan = list(dict.fromkeys(plan))  # drop duplicates, keep order
+
+    # Timing reads consecutive indices (or a fixed list from a custom batch sampler) on a copy of the
+    # generator, so neither the loader's sampler nor its generator moves.
+    timing_generator = torch.Generator()
+    if loader.generator is not None:
+        timing_generator.set_state(loader.generator.get_state())
+    report = LoaderReport(start_method=method)
+    # Each setting is timed twice, round-robin, and keeps its better rate: on a busy machine a burst of
+    # someone else's work slows one run, rarely both.
+    rounds = 2 if len(plan) > 1 or extra_phases else 1
+    runs = rounds * (len(plan) + ((any(w > 0 for w, _, _ in plan) + cuda) if extra_phases else 0))
+    bar = _progress(runs, progress)
+    measured: dict[tuple[int, bool, int | None], LoaderTrial] = {}
+    with preserved_rng(loader.generator, *sampler_generators(loader)):
+        sampling = timing_sampling(loader)
+        queue = plan * rounds
+        i = done = 0
+        while i < len(queue):
+            setting = queue[i]
+            i += 1
+            now = time.perf_counter()
+            if now >= deadline and measured:
+                missing = set(queue[i - 1 :]) - set(measured)
+                if missing:
+                    notes.append(f"the time budget ran out before {len(missing)} setting(s) could be timed")
+                break
+            share = max(0.2, (deadline - now) / max(1, runs - done))
+            trial = time_setting(loader, sampling, setting, share, timing_generator)
+            done += 1
+            measured[setting] = better(measured.get(setting), trial)
+            if bar is not None:
+                bar.update(1)
+            if extra_phases and i == len(queue):  # refine the fastest worker setting, once each
+                extra_phases = False
+                best = max(measured.values(), key=lambda t: t.batches_per_s)
+                extra: list[tuple[int, bool, int | None]] = []
+                if best.num_workers > 0 and best.prefetch_factor == 2:
+                    extra.append((best.num_workers, best.pin_memory, 4))
+                if cuda:
+                    extra.append((best.num_workers, not best.pin_memory, best.prefetch_factor))
+                queue += [e for e in extra if e not in measured] * rounds
+        if bar is not None:
+            bar.close()
+    report.trials = list(measured.values())
+
+    chosen, reason = _choose(report.trials)
+    workers, pin, prefetch = chosen
+    report.chosen = {
+        "num_workers": workers,
+        "pin_memory": pin,
+        "prefetch_factor": prefetch,
+        "persistent_workers": persistent and workers > 0,
+    }
+    report.reason = "; ".join([reason, *notes]) + "."
+    report.seconds = time.perf_counter() - began
+    tuned = rebuild_loader(
+        loader,
+        sampling_kwargs(loader),
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=prefetch,
+        persistent_workers=persistent and workers > 0,
+        generator=loader.generator,
+    )
+    return tuned, report
+
+
+def _choose(trials: Sequence[LoaderTrial]) -> tuple[tuple[int, bool, int | None], str]:
+    measured = [t for t in trials if t.batches > 0]
+    if not measured:
+        t = trials[0]
+        return (t.num_workers, t.pin_memory, t.prefetch_factor), "nothing could be measured (too few batches)"
+    best = max(measured, key=lambda t: t.batches_per_s)
+    ties = [t for t in measured if t.batches_per_s >= (1 - _TIE) * best.batches_per_s]
+    pick = min(ties, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory))
+    if len(measured) == 1:
+        reason = "the only setting timed"
+    elif pick is best:
+        reason = f"fastest: {best.batches_per_s:.1f} batches/s"
+    else:
+        reason = (
+            f"{pick.batches_per_s:.1f} batches/s is within {_TIE:.0%} of the fastest "
+            f"({best.batches_per_s:.1f} with num_workers={best.num_workers}, "
+            f"prefetch_factor={best.prefetch_factor}), with fewer workers"
+        )
+    return (pick.num_workers, pick.pin_memory, pick.prefetch_factor), reason

@@ -1,0 +1,76 @@
+"""Rank-zero helpers: who is the main process, and functions and prints that run there only."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import Any
+
+import wrapt
+
+from speedups._helpers import env
+
+__all__ = ["is_main_process", "rank_zero_only", "rank_zero_print"]
+
+
+def is_main_process() -> bool:
+    """Return True on global rank 0 (the process that logs and writes checkpoints), and in a plain run.
+
+    Reads the process group if one is initialised, else ``RANK``/``SLURM_PROCID``. Never the local rank:
+    on a second node, local rank 0 is not the main process.
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    return env.rank() == 0
+
+
+@wrapt.decorator
+def _rank_zero(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    if env.rank() != 0:
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def rank_zero_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a function so it runs on global rank 0 only and returns None elsewhere.
+
+    For logging, writing files and printing. Never decorate a function that runs a collective (all-reduce,
+    barrier, ``LossTracker(all_ranks=True).compute()``): the other ranks would wait for it forever (until
+    the process group's timeout). Works on methods; the signature is kept. A class is refused: on the other
+    ranks its "instance" would be None.
+
+    Raises:
+        TypeError: ``fn`` is a class or not callable.
+
+    Example:
+        >>> @rank_zero_only
+        ... def log(msg):
+        ...     return f"logged {msg}"
+        >>> log("hi")
+        'logged hi'
+    """
+    if isinstance(fn, type):
+        raise TypeError(
+            f"rank_zero_only({fn.__qualname__}): a class cannot be rank-zero-only: on every other rank "
+            f"{fn.__qualname__}(...) would return None instead of an instance. Decorate its methods instead "
+            f"(@rank_zero_only def log(self, ...)), or create the object `if is_main_process():`."
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"rank_zero_only({type(fn).__name__}): expected a function or method. "
+            f"Write @rank_zero_only above a def."
+        )
+    return _rank_zero(fn)
+
+
+def rank_zero_print(*args: Any, **kwargs: Any) -> None:
+    """``print`` on global rank 0 only: one line per job instead of one per process.
+
+    Example:
+        >>> rank_zero_print("epoch", 1)
+        epoch 1
+    """
+    if env.rank() == 0:
+        builtins.print(*args, **kwargs)

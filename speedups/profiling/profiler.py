@@ -1,0 +1,434 @@
+"""Tip 10: see where each training step's time goes, and which tip would help.
+
+``profile_steps()`` times every step of a plain loop (time waiting for the batch vs time in the step),
+counts host-device syncs on a few sampled steps, and hands what it saw to the advice rules
+(:mod:`speedups.profiling.advice`). With ``debug=True`` (or :func:`speedups.check`) it also feeds the mistake
+detectors of :mod:`speedups.profiling.mistakes` while the loop runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import wrapt
+
+from speedups._helpers import validate
+from speedups._helpers.hardware import cpu_has_native_bf16, usable_cpus
+from speedups.errors import SpeedupsError
+from speedups.profiling.advice import Advice, Report, Summary, advise
+from speedups.profiling.measure import LoaderBatchSizes, Sampling, p90, peak_memory, samples_in
+from speedups.profiling.mistakes import MistakeWatcher
+from speedups.profiling.plots import draw_steps
+
+__all__ = ["StepProfiler", "StepRecord", "profile_steps"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(slots=True)
+class _StepEvents:
+    """The CUDA events around one step (``torch.cuda.Event``), read when the report is made."""
+
+    start: Any
+    end: Any
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One profiled step.
+
+    Attributes:
+        data_s: seconds spent waiting for this step's batch (``prof.iter``), or, for a step recorded only by
+            the decorator, the seconds between the end of the previous step and the start of this one.
+        step_s: seconds of host wall time in the step itself.
+        samples: samples in the batch: ``batch_size=`` if given, else the DataLoader's batch size, else the
+            leading dimension of the first tensor of the batch; None if unknown.
+        sampled: whether syncs were counted on this step (then slower, so left out of the means).
+        cache_frees: CUDA memory blocks returned to the driver during a sampled step.
+        cpu_bf16_matmuls: bf16 matrix ops seen on the CPU during a sampled step.
+        syncs: host-device syncs counted on a sampled step (``.item()``, ``float(t)``, ``.tolist()``, ...).
+        device_s: GPU time of the step from CUDA events, filled in when the report is made.
+    """
+
+    data_s: float
+    step_s: float
+    samples: int | None = None
+    sampled: bool = False
+    syncs: int | None = None
+    device_s: float | None = None
+    cache_frees: int | None = None
+    cpu_bf16_matmuls: int = 0
+    claimed_s: float | None = field(default=None, repr=False)  # time in decorated calls within the step
+    _events: _StepEvents | None = field(default=None, repr=False)
+
+
+class _ProfiledFunction(wrapt.FunctionWrapper):
+    """A step function recorded by a :class:`StepProfiler`; ``.profiler`` is that profiler."""
+
+    _self_profiler: StepProfiler
+
+    @property
+    def profiler(self) -> StepProfiler:
+        return self._self_profiler
+
+
+_DEFAULTS: dict[str, Any] = dict(
+    warmup=1, sample_every=None, debug=False, model=None, batch_size=None, enabled=True
+)
+
+
+def _call_as_written(given: dict[str, Any]) -> str:
+    """``profile_steps(...)`` with the arguments that differ from the defaults; a module by its class name."""
+    shown = [
+        f"{k}=<{type(v).__name__}>" if isinstance(v, torch.nn.Module) else f"{k}={v!r}"
+        for k, v in given.items()
+        if not (type(v) is type(_DEFAULTS[k]) and v == _DEFAULTS[k])
+    ]
+    return f"profile_steps({', '.join(shown)})"
+
+
+class StepProfiler:
+    """Time each training step, count its syncs, and say which tip would help. Made by :func:`profile_steps`.
+
+    Use ``prof.iter(loader)`` to time the wait for each batch and the step that follows it, or decorate the
+    step function (``@prof``) to time each call; both together give the decorator's time as the step and
+    the loader's time as the data wait. ``with prof:`` brackets the run (and removes the debug hooks).
+
+    Cost: two ``time.perf_counter()`` calls and a list append per step (plus two CUDA events on a GPU, no
+    sync): about 5 microseconds a step in a real loop. A few steps are *sampled*: the first after warm-up,
+    then as rarely as keeps their extra cost under 1% of the run (or every ``sample_every``-th step when
+    given). On a sampled step a ``TorchFunctionMode`` counts the calls that read a tensor into Python
+    (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``, ``print(t)``, copies to the CPU), and on a GPU
+    CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode``) also counts the syncs inside torch. A sampled
+    step runs slower, so its time is left out of the means. ``benchmarks/profiling.py`` measures the whole
+    cost against the plain loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 1,
+        sample_every: int | None = None,
+        debug: bool = False,
+        model: torch.nn.Module | None = None,
+        batch_size: int | None = None,
+        enabled: bool = True,
+    ) -> None:
+        given = dict(
+            warmup=warmup, sample_every=sample_every, debug=debug, model=model, batch_size=batch_size,
+            enabled=enabled,
+        )  # fmt: skip
+        with validate.arguments(_call_as_written(given)):
+            validate.integer(warmup, "warmup", minimum=0, example="1")
+            validate.integer(sample_every, "sample_every", minimum=1, none_ok=True, example="50")
+            validate.flag(debug, "debug")
+            validate.flag(enabled, "enabled")
+            validate.integer(batch_size, "batch_size", minimum=1, none_ok=True, example="64")
+            validate.instance(
+                model, torch.nn.Module, "model", what="an nn.Module (the DDP-wrapped model)", none_ok=True
+            )
+        self.enabled = enabled
+        self.warmup = warmup
+        self.sample_every = 1 if debug else sample_every
+        self._next_sample_at = 0.0  # adaptive sampling: perf_counter time before which no step is sampled
+        self._last_plain_s: float | None = None  # the latest unsampled step's time
+        self.debug = debug
+        self.model = model
+        self.batch_size = batch_size
+        self._entered = False
+        self.steps: list[StepRecord] = []
+        """Every recorded step, warm-up steps included."""
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._open: StepRecord | None = None  # the step `iter` has handed out and not yet closed
+        self._loader_workers: int | None = None
+        self._mistakes = MistakeWatcher(model) if debug else None
+
+    # ------------------------------------------------------------------------ context manager / decorator
+    def __enter__(self) -> StepProfiler:
+        if self._entered or (self._mistakes is not None and self._mistakes.active):
+            raise SpeedupsError(
+                "profile_steps(): this profiler is already entered (`with prof:` inside `with prof:`), which "
+                "would restart its clock and mix two loops' steps. Use one `with` block per profiler, or "
+                "make a new one: `with profile_steps() as prof:`."
+            )
+        self._entered = True
+        if self.enabled:
+            self._start = time.perf_counter()
+            self._last_end = self._start
+            if self._mistakes is not None:
+                self._mistakes.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._entered = False
+        if self._mistakes is not None:
+            self._mistakes.stop()
+
+    def __call__(self, fn: F) -> F:
+        """Decorate a step function: each call is one step (``enabled=False``: ``fn`` is returned as is)."""
+        if not callable(fn):
+            raise TypeError(f"profile_steps()({fn!r}): expected a step function to decorate.")
+        if isinstance(fn, type):
+            raise TypeError(
+                f"profile_steps()({fn.__name__}): decorate the step function or method, not a class."
+            )
+        if not self.enabled:
+            return fn
+
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            start = time.perf_counter()
+            open_record = self._open
+            if open_record is not None:  # inside a `prof.iter` step: time the call as that step's work
+                if open_record.claimed_s is None:
+                    open_record.claimed_s = 0.0
+                try:
+                    return wrapped(*args, **kwargs)
+                finally:
+                    open_record.claimed_s += time.perf_counter() - start
+            last = self._last_end if self._last_end is not None else start
+            size = self.batch_size if self.batch_size is not None else samples_in((args, kwargs))
+            record, sampling = self._begin(start - last, size, start)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                self._end(record, start, sampling)
+
+        profiled = _ProfiledFunction(fn, wrapper)
+        profiled._self_profiler = self
+        return profiled  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------ iterate
+    def iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield the batches of ``iterable``, timing the wait for each and the step that follows it.
+
+        Raises:
+            TypeError: ``iterable`` is not iterable.
+        """
+        try:
+            iterator = iter(iterable)
+        except TypeError:
+            raise TypeError(
+                f"profile_steps().iter({iterable!r}): expected an iterable of batches such as a DataLoader, "
+                f"got {type(iterable).__name__}. Use `for batch in prof.iter(loader):`."
+            ) from None
+        if not self.enabled:
+            return iterator
+        return self._iterate(iterable, iterator)
+
+    def _iterate(self, iterable: Iterable[Any], iterator: Iterator[Any]) -> Iterator[Any]:
+        if isinstance(iterable, torch.utils.data.DataLoader):
+            self._loader_workers = iterable.num_workers
+        if self._start is None:
+            self._start = time.perf_counter()
+        sizes = None if self.batch_size is not None else LoaderBatchSizes.make(iterable)
+        first = True
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            t1 = time.perf_counter()
+            if first:
+                first = False
+                if self._mistakes is not None:
+                    self._mistakes.new_pass(iterable)
+            if self.batch_size is not None:
+                size: int | None = self.batch_size
+            else:
+                size = sizes.next() if sizes is not None else samples_in(batch)
+            record, sampling = self._begin(t1 - t0, size, t1)
+            self._open = record
+            try:
+                yield batch
+            finally:
+                self._open = None
+                self._end(record, t1, sampling)
+
+    # ------------------------------------------------------------------------------------ step bookkeeping
+    def _begin(self, data_s: float, samples: int | None, now: float) -> tuple[StepRecord, Sampling | None]:
+        index = len(self.steps)
+        if index < self.warmup:
+            sampled = False
+        elif self.sample_every is not None:
+            sampled = (index - self.warmup) % self.sample_every == 0
+        else:
+            sampled = now >= self._next_sample_at
+        record = StepRecord(data_s, 0.0, samples, sampled)
+        self.steps.append(record)
+        if torch.cuda.is_initialized():  # cheap flag check; True only once CUDA is in use
+            record._events = _StepEvents(
+                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            )
+            record._events.start.record()
+        if not sampled:
+            return record, None
+        return record, Sampling.begin(on_gpu=record._events is not None, keep_losses=self.debug)
+
+    def _end(self, record: StepRecord, start: float, sampling: Sampling | None) -> None:
+        end = time.perf_counter()
+        record.step_s = end - start if record.claimed_s is None else record.claimed_s
+        self._last_end = end
+        if not record.sampled:
+            self._last_plain_s = record.step_s
+        elif self.sample_every is None:
+            # The next sample waits until this one's extra cost is 1% of the time in between (and at least
+            # 10 steps' worth), so sampling never costs more than about 1% of the run.
+            extra = max(record.step_s - (self._last_plain_s or 0.0), 0.0)
+            self._next_sample_at = end + max(100 * extra, 10 * (self._last_plain_s or record.step_s))
+        if record._events is not None:
+            record._events.end.record()
+        loss_refs = None
+        if sampling is not None:
+            counts = sampling.end()
+            record.syncs, record.cpu_bf16_matmuls = counts.syncs, counts.cpu_bf16_matmuls
+            record.cache_frees, loss_refs = counts.cache_frees, counts.loss_refs
+        if self._mistakes is not None:
+            self._mistakes.step_ended(loss_refs)
+
+    # ------------------------------------------------------------------------------------------ results
+    def summary(self) -> Summary:
+        """Aggregate the recorded steps (one sync on a GPU, to read the CUDA events).
+
+        Raises:
+            SpeedupsError: no step was recorded yet (or profiling is disabled).
+        """
+        if not self.enabled:
+            raise SpeedupsError(
+                "profile_steps(enabled=False).report(): profiling is disabled, so nothing was recorded. "
+                "Use profile_steps() (enabled=True) to get a report."
+            )
+        if not self.steps:
+            raise SpeedupsError(
+                "profile_steps().report(): no step was recorded yet. Iterate with "
+                "`for batch in prof.iter(loader):` or decorate the step function with `@prof`, run a few "
+                "steps, then call prof.report()."
+            )
+        timed = self.steps[self.warmup :] or self.steps
+        unsampled = [r for r in timed if not r.sampled]
+        if len(unsampled) >= max(1, len(timed) // 2):
+            timed = unsampled
+        for r in self.steps:
+            if r._events is not None and r.device_s is None:
+                r._events.end.synchronize()
+                r.device_s = r._events.start.elapsed_time(r._events.end) / 1000.0
+        data_times, step_times = [r.data_s for r in timed], [r.step_s for r in timed]
+        mean_data, mean_step = statistics.fmean(data_times), statistics.fmean(step_times)
+        total = mean_data + mean_step
+        sampled = [r for r in self.steps if r.syncs is not None]
+        sizes = [r.samples for r in timed if r.samples is not None]
+        device_times = [r.device_s for r in timed if r.device_s is not None]
+        frees = [r.cache_frees for r in self.steps if r.cache_frees is not None]
+        return Summary(
+            steps=len(self.steps),
+            mean_data_s=mean_data,
+            mean_step_s=mean_step,
+            median_data_s=statistics.median(data_times),
+            median_step_s=statistics.median(step_times),
+            p90_data_s=p90(data_times),
+            p90_step_s=p90(step_times),
+            data_fraction=mean_data / total if total > 0 else 0.0,
+            syncs_per_step=statistics.fmean(r.syncs or 0 for r in sampled) if sampled else None,
+            sampled_steps=len(sampled),
+            samples_per_s=(statistics.fmean(sizes) / total) if sizes and total > 0 else None,
+            mean_batch=statistics.fmean(sizes) if sizes else None,
+            device_type="cuda" if device_times else "cpu",
+            device_busy_fraction=(statistics.fmean(device_times) / total) if device_times and total else None,
+            cache_frees_per_step=statistics.fmean(frees) if frees else None,
+            cpu_bf16_matmuls=sum(r.cpu_bf16_matmuls for r in self.steps),
+            native_cpu_bf16=cpu_has_native_bf16(),
+            loader_workers=self._loader_workers,
+            usable_cpus=usable_cpus(),
+            peak_memory=peak_memory(),
+        )
+
+    def advice(self) -> list[Advice]:
+        """The tips that would help this loop, most valuable first (see :meth:`report`)."""
+        return advise(self.summary())
+
+    def report(self) -> Report:
+        """Summarise the run: a table of per-step times and the tips that would help, most valuable first.
+
+        Sync point: one device sync on a GPU (CUDA events are read).
+
+        Raises:
+            SpeedupsError: no step was recorded yet.
+        """
+        summary = self.summary()
+        return Report(summary, advise(summary))
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw data wait and step time per step as stacked bars into a PNG at ``path``; return the path.
+
+        Draws on a figure of its own with matplotlib's Agg canvas: the process's backend is left alone.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'speedups[examples]'``).
+            SpeedupsError: no step was recorded yet.
+        """
+        return draw_steps(Path(path), self.steps, self.summary().data_fraction)
+
+
+def profile_steps(
+    fn: F | None = None,
+    *,
+    warmup: int = 1,
+    sample_every: int | None = None,
+    debug: bool = False,
+    model: torch.nn.Module | None = None,
+    batch_size: int | None = None,
+    enabled: bool = True,
+) -> Any:
+    """Profile the steps of a training loop and advise which speedups tip would help.
+
+    Spellings::
+
+        with profile_steps() as prof:            # time the data wait and each step
+            for batch in prof.iter(loader):
+                train_step(*batch)
+        print(prof.report())
+
+        @profile_steps                            # each call is a step; train_step.profiler.report()
+        def train_step(x, y): ...
+
+    Args:
+        fn: a step function, when used as a bare decorator.
+        warmup: first steps left out of the means (lazy initialisation, autotuning). Default 1.
+        sample_every: count host-device syncs on every n-th step after warm-up. Default None: the first
+            step after warm-up, then as rarely as keeps the sampling's extra cost under about 1% of the run.
+            Sampled steps are slower and left out of the means; ``debug=True`` samples every step.
+        debug: also run the mistake detectors (see :func:`speedups.check`); slower, for a few hundred steps.
+        model: the (DDP-wrapped) model, for the ``no_sync`` detector in debug mode.
+        batch_size: samples per step, for the throughput. None: the ``DataLoader``'s ``batch_size`` (short
+            last batch included), else the leading dimension of the batch's first tensor.
+        enabled: False makes every part a no-op: ``iter`` returns the plain iterator, the decorator
+            returns the function unchanged.
+
+    Returns:
+        A :class:`StepProfiler` (a context manager and a decorator), or the decorated ``fn``.
+
+    Raises:
+        ValueError: ``warmup`` < 0, ``sample_every`` < 1 or ``batch_size`` < 1.
+        SpeedupsError: a profiler entered again while it is open (``with prof:`` inside ``with prof:``).
+        TypeError: ``warmup`` or ``sample_every`` not an int; ``debug`` or ``enabled`` not a bool; ``model``
+            not a module; a class is decorated.
+
+    Example:
+        >>> with profile_steps(warmup=0) as prof:
+        ...     for x in prof.iter([torch.ones(4, 2)] * 3):
+        ...         _ = (x * 2).sum()
+        >>> len(prof.steps), prof.steps[0].samples
+        (3, 4)
+    """
+    profiler = StepProfiler(
+        warmup=warmup, sample_every=sample_every, debug=debug, model=model, batch_size=batch_size,
+        enabled=enabled,
+    )  # fmt: skip
+    return profiler(fn) if fn is not None else profiler
