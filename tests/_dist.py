@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -22,6 +23,34 @@ def say(line: str) -> None:
     interleave (``print`` writes the text and the newline separately)."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def count_all_reduces(ddp: Any) -> list[int]:
+    """Register a comm hook on a ``DistributedDataParallel`` model that counts its bucket all-reduces (and
+    does them as DDP's default hook does); return the one-element counter, read as ``calls[0]``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = [0]
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # no annotations: DDP checks them
+        calls[0] += 1
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    return calls
+
+
+def distances(model: Any, ref: Any) -> tuple[float, float]:
+    """In a 2-rank job: the largest distance of this rank's parameters to the reference's, and between the
+    two ranks' parameters (one all-gather: every rank must call it)."""
+    import torch
+    import torch.distributed as dist
+
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, params)
+    return (params - ref_params).abs().max().item(), (gathered[0] - gathered[1]).abs().max().item()
 
 
 def free_port() -> int:

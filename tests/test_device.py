@@ -55,7 +55,7 @@ class MoveMe:
         return MoveMe(self.t.to(device))
 
 
-def test_a5_nested_batch_to_meta_keeps_types_and_leaves_input_alone() -> None:
+def test_nested_batch_to_meta_keeps_types_and_leaves_input_alone() -> None:
     dd = defaultdict(list, x=torch.ones(2))
     batch = {
         "nt": Pair(x=torch.randn(3), ids=["a"]),

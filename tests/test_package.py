@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -139,3 +140,91 @@ def test_readme_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
     out = run_torchrun(script, nproc=2, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("epoch 1: ") == 1  # printed by rank 0 only
+
+
+# ------------------------------------------------------------------------------------------- the layout
+PACKAGE = ROOT / "speedups"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _defines_all(path: Path) -> bool:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return True
+    return False
+
+
+def test_the_package_has_a_folder_per_concern_each_listing_what_it_offers() -> None:
+    top = [p.name for p in PACKAGE.iterdir() if p.name not in ("py.typed", "__pycache__")]
+    assert len(top) <= 16, sorted(top)
+    folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert len(folders) >= 6
+    for folder in folders:
+        init = folder / "__init__.py"
+        assert init.is_file() and _defines_all(init), folder
+    missing = [name for name, path in _modules().items() if not _defines_all(path)]
+    assert not missing, missing
+
+
+def test_no_module_or_folder_is_named_like_a_public_function() -> None:
+    public = {name for name in speedups.__all__ if callable(getattr(speedups, name))}
+    names = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*") if p.is_dir()}
+    assert not names & public, names & public
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every speedups module ``path`` imports, anywhere in it (TYPE_CHECKING blocks and functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("speedups"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("speedups")}
+    return found & known
+
+
+def test_no_import_cycle_among_speedups_modules() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, set(modules)) for name, path in modules.items()}
+    # A module is in a cycle when it can reach itself; report the first cycle found, as a path.
+    for start in graph:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, way = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    pytest.fail("import cycle: " + " -> ".join((*way, start)))
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*way, nxt)))
+
+
+@pytest.mark.slow
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    """Whatever a user (or a worker process) imports first, the package loads: no half-initialised module."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {sorted(_modules())!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'speedups' or m.startswith('speedups.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+        "import speedups\n"
+        "assert all(hasattr(speedups, name) for name in speedups.__all__)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

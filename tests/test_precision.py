@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from speedups import SpeedupsError, SpeedupsWarning
-from speedups._helpers import hardware as _hardware
 from speedups import precision as precision_module
+from speedups._helpers import hardware as _hardware
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision
 from tests._bench import run_quick
+from tests._models import mlp
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    return mlp(16, 32, 1, activation=torch.nn.ReLU, seed=seed)
 
 
 def _data(n: int = 40, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(num / den)
 
 
-def test_a7_bf16_on_cpu_autocasts_the_forward_only() -> None:
+def test_bf16_on_cpu_autocasts_the_forward_only() -> None:
     model = _mlp()
     ref = copy.deepcopy(model)
     X, Y = _data(64)
@@ -56,7 +56,7 @@ def test_a7_bf16_on_cpu_autocasts_the_forward_only() -> None:
     assert 0 < _rel(grads, ref_grads) < 2e-2  # close, and really computed in bf16
 
 
-def test_a7_bf16_stacked_under_accumulate_uses_no_scaler() -> None:
+def test_bf16_stacked_under_accumulate_uses_no_scaler() -> None:
     model = _mlp()
     X, Y = _data(16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -75,7 +75,7 @@ def test_a7_bf16_stacked_under_accumulate_uses_no_scaler() -> None:
 
 
 @pytest.mark.parametrize("spelling", ["stacked", "inside"])
-def test_a2_fp16_accumulate_clip_unscales_once_per_step(spelling: str) -> None:
+def test_fp16_accumulate_clip_unscales_once_per_step(spelling: str) -> None:
     X, Y = _data(40, scale=10.0)  # large targets: the clip is active
     model = _mlp()
     ref = copy.deepcopy(model)

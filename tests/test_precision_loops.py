@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from speedups import SpeedupsError
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision
+from tests._models import mlp
 
 
 def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    return mlp(16, 32, 1, activation=torch.nn.ReLU)
 
 
 def _batches(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,7 +37,7 @@ def test_weighted_mean_matches_hand_computation() -> None:
     assert len(tracker) == 4
 
 
-def test_a4_tracker_holds_no_graph(update_path) -> None:
+def test_tracker_holds_no_graph(update_path) -> None:
     x = torch.randn(512, 512, requires_grad=True)
     h = x * 2
     loss = (h**2).mean()

@@ -68,19 +68,25 @@ class DistributedLoader(DataLoader):
             return 1
         return int(self.batch_sampler.batch_size)  # type: ignore[attr-defined]
 
+    def _start_at(self, batches: int) -> None:
+        """Make the sampler's next pass skip the samples of the first ``batches`` batches of its epoch."""
+        sampler = self.distributed_sampler
+        assert isinstance(sampler, RankSampler)  # distributed() builds every DistributedLoader with one
+        sampler.start_at(batches * self._batch_size())
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` from its start (each later one then advances by 1)."""
         with validate.arguments(f"DistributedLoader.set_epoch(epoch={epoch!r})"):
             validate.integer(epoch, "epoch", minimum=0, example="0")
         self._next_epoch = epoch
         self._resume_batches = 0
-        self.distributed_sampler.start = 0  # type: ignore[attr-defined]
+        self._start_at(0)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.distributed_sampler
         epoch, skip = self._next_epoch, self._resume_batches
         sampler.set_epoch(epoch)
-        sampler.start = skip * self._batch_size()  # type: ignore[attr-defined]
+        self._start_at(skip)
         self._next_epoch, self._resume_batches = epoch + 1, 0
         self.epoch = epoch
         self._current = (epoch, skip)
@@ -198,7 +204,7 @@ class DistributedLoader(DataLoader):
         self._replay_seed = None if state.get("seed_state") is None else state["seed_state"].clone()
         if state.get("generator") is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
-        self.distributed_sampler.start = self._resume_batches * self._batch_size()  # type: ignore[attr-defined]
+        self._start_at(self._resume_batches)
 
 
 def _is_generator_state(value: Any) -> bool:

@@ -23,6 +23,10 @@ class RankSampler(DistributedSampler):
             self.num_samples = len(range(rank, len(dataset), num_replicas))
             self.total_size = len(dataset)
 
+    def start_at(self, sample: int) -> None:
+        """Make the next pass start at this rank's ``sample``-th sample of the epoch (0: its start)."""
+        self.start = sample
+
     def __iter__(self) -> Iterator[int]:
         if self.even:
             indices = list(super().__iter__())

@@ -17,11 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups.accumulation import accumulate
-from tests._dist import say
+from tests._dist import count_all_reduces, distances, say
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,13 +59,7 @@ def run(order: str) -> None:
         torch.compile(base, backend="eager") if order == "ddp(compile)" else base,
         find_unused_parameters=True,
     )
-    calls = [0]
-
-    def counting_hook(state, bucket):
-        calls[0] += 1
-        return allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, counting_hook)
+    calls = count_all_reduces(ddp)
     model = torch.compile(ddp, backend="eager") if order == "compile(ddp)" else ddp
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
@@ -93,16 +86,12 @@ def run(order: str) -> None:
             (torch.stack(parts).sum() / total).backward()
             ref_opt.step()
 
-    params = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
-    ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
-    gathered = [torch.zeros_like(params) for _ in range(world)]
-    dist.all_gather(gathered, params)
+    to_ref, between = distances(base, ref)
     assert b_before_epoch1 is not None
     b_now = list(base.b.parameters())
     b_moved = max((p.detach() - q).abs().max().item() for p, q in zip(b_now, b_before_epoch1, strict=True))
     say(
-        f"rank={rank} order={order} to_ref={(params - ref_params).abs().max().item():.3e} "
-        f"between_ranks={(gathered[0] - gathered[1]).abs().max().item():.3e} b_moved={b_moved:.3e} "
+        f"rank={rank} order={order} to_ref={to_ref:.3e} between_ranks={between:.3e} b_moved={b_moved:.3e} "
         f"hook_calls={calls[0]} updates={train_step.num_updates}"
     )
 

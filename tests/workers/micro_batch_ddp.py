@@ -14,11 +14,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from speedups.accumulation import accumulate
-from tests._dist import say
+from tests._dist import count_all_reduces, distances, say
 
 mode = sys.argv[1]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails, never waits
@@ -43,15 +42,7 @@ def make_model():
 
 base, ref = make_model(), make_model()
 ddp_model = DistributedDataParallel(base)
-hook_calls = [0]
-
-
-def counting_hook(state, bucket):
-    hook_calls[0] += 1
-    return allreduce_hook(state, bucket)
-
-
-ddp_model.register_comm_hook(None, counting_hook)
+hook_calls = count_all_reduces(ddp_model)
 opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
@@ -95,12 +86,7 @@ for start in range(0, len(sizes[0]), EVERY):  # reference: the global window in 
     ref_loss.backward()
     ref_opt.step()
 
-params = torch.cat([p.detach().reshape(-1) for p in ddp_model.parameters()])
-ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
-gathered = [torch.zeros_like(params) for _ in range(world)]
-dist.all_gather(gathered, params)
-to_ref = (params - ref_params).abs().max().item()
-between = (gathered[0] - gathered[1]).abs().max().item()
+to_ref, between = distances(ddp_model, ref)
 say(
     f"rank{rank} to_ref={to_ref:.3e} between={between:.3e} size={train_step.micro_batch_size} "
     f"hook_calls={hook_calls[0]} updates={train_step.num_updates}"

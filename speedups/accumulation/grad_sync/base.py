@@ -20,7 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NULL_CONTEXT", "DataParallelSync", "GradSync", "SyncKind", "count_dtype"]
+__all__ = ["NULL_CONTEXT", "DataParallelSync", "GradSync", "LocalCount", "SyncKind", "count_dtype"]
+
+LocalCount = Callable[[torch.device], torch.Tensor] | None
+"""How a flushed window's item count is made on a device (None: the window counts no items)."""
 
 NULL_CONTEXT = contextlib.nullcontext()
 
@@ -79,11 +82,7 @@ class GradSync:
         return dist.all_reduce(count, group=self.group, async_op=True)
 
     def sync_window(
-        self,
-        optimizer: torch.optim.Optimizer,
-        local_count: Callable[[torch.device], torch.Tensor] | None,
-        pending: int,
-        every: int,
+        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         """Synchronise a flushed window of ``pending`` calls that never synchronised (every rank calls it).
 

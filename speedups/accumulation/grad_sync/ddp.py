@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -11,7 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from speedups.accumulation.grad_sync.base import NULL_CONTEXT, DataParallelSync, SyncKind, count_dtype
+from speedups.accumulation.grad_sync.base import (
+    NULL_CONTEXT,
+    DataParallelSync,
+    LocalCount,
+    SyncKind,
+    count_dtype,
+)
 
 __all__ = ["DDPSync"]
 
@@ -49,11 +54,7 @@ class DDPSync(DataParallelSync):
         self.handles, self.used = [], {}
 
     def sync_window(
-        self,
-        optimizer: torch.optim.Optimizer,
-        local_count: Callable[[torch.device], torch.Tensor] | None,
-        pending: int,
-        every: int,
+        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         """Sum the gradients and the item count over the ranks, as DDP's own sync would.
 

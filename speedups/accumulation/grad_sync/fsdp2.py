@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from speedups._helpers import env
-from speedups.accumulation.grad_sync.base import NULL_CONTEXT, DataParallelSync, SyncKind
+from speedups.accumulation.grad_sync.base import NULL_CONTEXT, DataParallelSync, LocalCount, SyncKind
 from speedups.errors import SpeedupsError
 
 __all__ = ["FSDP2Sync"]
@@ -32,11 +31,7 @@ class FSDP2Sync(DataParallelSync):
         return NULL_CONTEXT
 
     def sync_window(
-        self,
-        optimizer: torch.optim.Optimizer,
-        local_count: Callable[[torch.device], torch.Tensor] | None,
-        pending: int,
-        every: int,
+        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         raise SpeedupsError(
             f"accumulate(...).flush(): {pending} micro-steps are pending on an FSDP2 model whose "

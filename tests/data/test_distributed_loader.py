@@ -17,7 +17,7 @@ def _flat(loader) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------- A3: sampler
-def test_a3_epochs_differ_ranks_disjoint_cover_all_agree_and_resume() -> None:
+def test_epochs_differ_ranks_disjoint_cover_all_agree_and_resume() -> None:
     base = DataLoader(list(range(20)), batch_size=4, shuffle=True)
     ranks = [distributed(base, rank=r, world_size=2) for r in (0, 1)]
     epochs = [[_flat(loader) for loader in ranks] for _ in range(2)]  # two passes, no set_epoch by hand

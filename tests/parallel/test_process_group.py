@@ -17,9 +17,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import speedups.parallel.rendezvous
 import speedups.parallel.data_parallel
-from speedups import SpeedupsError, ddp_wrap, default_device, distributed, init_distributed, is_main_process, rank_zero_only, rank_zero_print, seed_everything
+import speedups.parallel.rendezvous
+from speedups import (
+    SpeedupsError,
+    ddp_wrap,
+    default_device,
+    distributed,
+    init_distributed,
+    is_main_process,
+    rank_zero_only,
+    rank_zero_print,
+    seed_everything,
+)
 from speedups._helpers import env as _env
 
 
@@ -42,13 +52,15 @@ def _fake_rendezvous(monkeypatch, calls: dict) -> None:
     """Record what init_distributed hands to the rendezvous and to init_process_group; start nothing."""
     store = _Store()
     monkeypatch.setattr(
-        speedups.parallel.rendezvous, "join", lambda url, **kw: calls.setdefault("join", {"url": url, **kw}) and store
+        speedups.parallel.rendezvous,
+        "join",
+        lambda url, **kw: calls.setdefault("join", {"url": url, **kw}) and store,
     )
     monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, inner: (prefix, inner))
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: calls.setdefault("init", kw))
 
 
-def test_a8_device_from_local_rank_process_group_and_sampler_from_global_rank(monkeypatch) -> None:
+def test_device_from_local_rank_process_group_and_sampler_from_global_rank(monkeypatch) -> None:
     _a8(monkeypatch)
     calls: dict[str, object] = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))

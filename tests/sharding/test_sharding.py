@@ -23,7 +23,7 @@ from speedups import SpeedupsError, shard_model, unshard_model
 from speedups.sharding import plan as sharding_plan
 from tests._bench import run_quick
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 META, CPU = torch.device("meta"), torch.device("cpu")
 
 

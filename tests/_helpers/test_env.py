@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from speedups import SpeedupsError, SpeedupsWarning, ddp_wrap, default_device, distributed, init_distributed
 from speedups._helpers import env as _env
+from speedups._helpers.environments import LaunchEnvironment, registry
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 # What `srun --ntasks-per-node=2 ...` gives task 1 (SLURM_STEP_ID: only srun sets it).
@@ -131,3 +132,51 @@ def test_slurm_allocation_without_srun_runs_as_one_process_with_one_warning(monk
     assert "srun python" in str(mine[0].message) and "SLURM_NTASKS=4" in str(mine[0].message)
     with pytest.warns(SpeedupsWarning, match="not started by srun"):
         _env.placement()
+
+
+class _LSF(LaunchEnvironment):
+    """A launch style the package does not know, written as a new one would be: IBM LSF's jsrun variables."""
+
+    name = "lsf"
+    launched = True
+
+    @classmethod
+    def detect(cls, env, *, live: bool) -> bool:
+        return bool(env.get("JSM_NAMESPACE_RANK"))
+
+    def rank(self) -> int:
+        return int(self.env["JSM_NAMESPACE_RANK"])
+
+    def local_rank(self) -> int:
+        return int(self.env["JSM_NAMESPACE_LOCAL_RANK"])
+
+    def world_size(self) -> int:
+        return int(self.env["JSM_NAMESPACE_SIZE"])
+
+    def cuda_index(self, count: int) -> int:
+        return self.local_rank() % count
+
+
+def test_a_new_launch_environment_is_one_class_and_one_entry_in_the_list(monkeypatch) -> None:
+    lsf = {"JSM_NAMESPACE_RANK": "5", "JSM_NAMESPACE_LOCAL_RANK": "1", "JSM_NAMESPACE_SIZE": "8"}
+    assert _env.launch_style(lsf) == "single"  # unknown until registered
+    monkeypatch.setattr(registry, "ENVIRONMENTS", (_LSF, *registry.ENVIRONMENTS))
+    assert _env.launch_style(lsf) == "lsf"
+    here = _env.placement(lsf, call="test")
+    assert (here.rank, here.local_rank, here.world_size, here.local_world_size) == (5, 1, 8, 1)
+    assert _env.cuda_index(lsf, count=4) == 1 and _env.is_distributed(lsf)
+    assert _env.launch_style(TORCHRUN) == "torchrun"  # the others are unchanged
+
+
+def test_every_launch_environment_is_registered_and_single_process_comes_last() -> None:
+    classes = {cls for cls in _subclasses(LaunchEnvironment) if cls.__module__.startswith("speedups.")}
+    assert classes == set(registry.ENVIRONMENTS)
+    assert registry.ENVIRONMENTS[-1].name == "single" and registry.ENVIRONMENTS[0].name == "torchrun"
+    assert len({cls.name for cls in registry.ENVIRONMENTS}) == len(registry.ENVIRONMENTS)
+
+
+def _subclasses(cls: type) -> set[type]:
+    found = set()
+    for sub in cls.__subclasses__():
+        found |= {sub, *_subclasses(sub)}
+    return found

@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from speedups import accumulate
-from speedups.errors import SpeedupsError
 from speedups.accumulation.micro_batching import split_call
+from speedups.errors import SpeedupsError
 from tests._dist import WORKERS, run_torchrun
+from tests._models import mlp
 
 SIZES = [7, 5, 8, 3, 6]  # unequal batches; accumulate(2): two full windows and a flushed one
 EVERY = 2
 
 
 def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return mlp(3, 8, 1)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

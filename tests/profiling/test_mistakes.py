@@ -14,12 +14,6 @@ from speedups import SpeedupsError, SpeedupsWarning, check
 from tests._dist import free_port
 
 
-@pytest.fixture
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(8, 4)
-
-
 def test_kept_graph_detector(model) -> None:
     batches = [torch.randn(4, 8) for _ in range(4)]
     losses = []

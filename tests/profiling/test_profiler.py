@@ -12,12 +12,6 @@ from speedups import SpeedupsError, profile_steps
 from tests._profiling_loops import SlowDataset, busy_step
 
 
-@pytest.fixture
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(8, 4)
-
-
 def test_times_add_up_and_batch_sizes_are_read(model) -> None:
     batches = [torch.randn(16, 8) for _ in range(6)]
     with profile_steps(warmup=0, sample_every=1000) as prof:

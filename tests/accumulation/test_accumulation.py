@@ -17,30 +17,13 @@ from speedups import SpeedupsError, SpeedupsWarning
 from speedups.accumulation import accumulate
 from tests._bench import run_quick
 from tests._dist import WORKERS, run_torchrun
+from tests._models import FakeFSDP2, linear_data, mlp, reference_step, twin
 from tests._sync_counter import SyncCounter
 
 
-def _linear_data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
-
-
-def _pair(seed: int = 0, lr: float = 0.1) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module]:
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(3, 1)
-    ref = copy.deepcopy(model)
-    return model, torch.optim.SGD(model.parameters(), lr=lr), ref
-
-
-def _sgd_on(ref: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-
-def test_a1_short_last_window_is_normalised_by_what_it_accumulated() -> None:
-    X, Y = _linear_data()
-    model, opt, ref = _pair()
+def test_short_last_window_is_normalised_by_what_it_accumulated() -> None:
+    X, Y = linear_data()
+    model, opt, ref, ref_opt = twin()
     steps: list[int] = []
     opt.register_step_pre_hook(lambda *_: steps.append(1))
 
@@ -54,22 +37,20 @@ def test_a1_short_last_window_is_normalised_by_what_it_accumulated() -> None:
     assert len(steps) == 3 and train_step.num_updates == 3 and train_step.step == 10
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     naive = copy.deepcopy(ref)
     naive_opt = torch.optim.SGD(naive.parameters(), lr=0.1)
     for start, stop in [(0, 16), (16, 32), (32, 40)]:  # windows of 4, 4 and 2 micro-batches
-        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start:stop]), Y[start:stop]))
+        reference_step(ref_opt, F.mse_loss(ref(X[start:stop]), Y[start:stop]))
         # the usual mistake: every window divided by 4, so the last one weighs half
-        _sgd_on(naive, naive_opt, F.mse_loss(naive(X[start:stop]), Y[start:stop], reduction="sum") / 16)
+        reference_step(naive_opt, F.mse_loss(naive(X[start:stop]), Y[start:stop], reduction="sum") / 16)
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
     off = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), naive.parameters(), strict=True))
     assert off > 1e-3  # the reference can tell the two apart
 
 
 def test_equal_windows_equal_the_big_batch_with_adam_and_scheduler() -> None:
-    X, Y = _linear_data(96)
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    X, Y = linear_data(96)
+    model = mlp(3, 8, 1, seed=1)
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -84,7 +65,7 @@ def test_equal_windows_equal_the_big_batch_with_adam_and_scheduler() -> None:
         loss = train_step(X[i : i + 8], Y[i : i + 8])
         assert loss.grad_fn is None and loss.shape == ()
     for start in range(0, 96, 24):
-        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start : start + 24]), Y[start : start + 24]))
+        reference_step(ref_opt, F.mse_loss(ref(X[start : start + 24]), Y[start : start + 24]))
         ref_sched.step()
     assert train_step.num_updates == 4 and sched.last_epoch == 4
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=1e-5)
@@ -99,8 +80,8 @@ def _grads_at_step(opt: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
 
 
 def test_num_items_unequal_sizes_give_the_big_batch_gradient() -> None:
-    X, Y = _linear_data(29)
-    model, opt, ref = _pair()
+    X, Y = linear_data(29)
+    model, opt, ref, _ = twin()
     seen = _grads_at_step(opt)
 
     @accumulate(4, opt)
@@ -118,10 +99,7 @@ def test_num_items_unequal_sizes_give_the_big_batch_gradient() -> None:
 def test_num_items_token_counts_give_the_global_token_mean() -> None:
     g = torch.Generator().manual_seed(3)
     vocab, dim = 7, 5
-    torch.manual_seed(0)
-    model = torch.nn.Linear(dim, vocab)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, ref, _ = twin(mlp(dim, vocab))
     seen = _grads_at_step(opt)
     # 3 micro-batches of 2 sequences of length 6, with very different numbers of real (non-padding) tokens
     feats = torch.randn(3, 2, 6, dim, generator=g)
@@ -143,10 +121,9 @@ def test_num_items_token_counts_give_the_global_token_mean() -> None:
 
 
 def test_clipping_applies_once_to_the_normalised_gradient() -> None:
-    X, Y = _linear_data()
+    X, Y = linear_data()
     Y = Y * 10  # large errors: the clip is active
-    model, opt, ref = _pair()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = twin()
 
     @accumulate(4, opt, max_grad_norm=0.5)
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -166,8 +143,8 @@ def test_clipping_applies_once_to_the_normalised_gradient() -> None:
 
 
 def test_no_host_sync_by_default_and_one_per_boundary_with_skip_nonfinite() -> None:
-    X, Y = _linear_data()
-    model, opt, _ = _pair()
+    X, Y = linear_data()
+    model, opt, _, _ = twin()
     plain = accumulate(4, opt)(lambda x, y: (F.mse_loss(model(x), y), len(y)))
     with SyncCounter() as counter:
         for i in range(8):
@@ -196,8 +173,8 @@ def _assert_one_sync_per_window_of_four(step, X: torch.Tensor, Y: torch.Tensor) 
 
 
 def test_skip_nonfinite_false_has_no_sync_and_leaves_nan_to_the_user() -> None:
-    X, Y = _linear_data()
-    model, opt, _ = _pair()
+    X, Y = linear_data()
+    model, opt, _, _ = twin()
     scale = [1.0]
     train_step = accumulate(2, opt, skip_nonfinite=False)(lambda x, y: F.mse_loss(model(x), y) * scale[0])
     with SyncCounter() as counter:
@@ -229,7 +206,7 @@ def test_benchmark_quick_mode_prints_its_table() -> None:
 
 
 def test_resume_mid_window_gives_the_same_weights_as_not_stopping() -> None:
-    X, Y = _linear_data(48)
+    X, Y = linear_data(48)
 
     def run(stop_at: int | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -266,7 +243,7 @@ def test_resume_mid_window_gives_the_same_weights_as_not_stopping() -> None:
 
 
 def test_load_state_dict_rejects_another_window_size() -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     a = accumulate(4, opt)(lambda x: model(x).sum())
     b = accumulate(2, opt)(lambda x: model(x).sum())
     with pytest.raises(ValueError, match=r"accumulated over 4 .* accumulate\(4, \.\.\.\)"):
@@ -276,9 +253,8 @@ def test_load_state_dict_rejects_another_window_size() -> None:
 
 
 def test_method_decoration_keeps_signature_and_shares_state() -> None:
-    X, Y = _linear_data()
-    model, opt, ref = _pair()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    X, Y = linear_data()
+    model, opt, ref, ref_opt = twin()
 
     class Trainer:
         def __init__(self, net: torch.nn.Module) -> None:
@@ -301,29 +277,28 @@ def test_method_decoration_keeps_signature_and_shares_state() -> None:
     trainer.train_step.flush()  # nothing pending: no-op
     assert trainer.train_step.num_updates == 5
     for start in range(0, 40, 8):
-        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[start : start + 8]), Y[start : start + 8]))
+        reference_step(ref_opt, F.mse_loss(ref(X[start : start + 8]), Y[start : start + 8]))
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
 
 
 def test_enabled_false_is_a_plain_step_on_every_call() -> None:
-    X, Y = _linear_data()
-    model, opt, ref = _pair()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    X, Y = linear_data()
+    model, opt, ref, ref_opt = twin()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
     train_step = accumulate(4, opt, scheduler=sched, enabled=False)(lambda x, y: F.mse_loss(model(x), y))
     for i in range(0, 40, 4):
         train_step(X[i : i + 4], Y[i : i + 4])
         assert train_step.is_boundary and train_step.pending == 0
-        _sgd_on(ref, ref_opt, F.mse_loss(ref(X[i : i + 4]), Y[i : i + 4]))
+        reference_step(ref_opt, F.mse_loss(ref(X[i : i + 4]), Y[i : i + 4]))
         ref_sched.step()
     assert train_step.num_updates == 10
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
 
 
 def test_epoch_iterator_flushes_and_refuses_a_straddling_window() -> None:
-    X, Y = _linear_data()
-    model, opt, _ = _pair()
+    X, Y = linear_data()
+    model, opt, _, _ = twin()
     train_step = accumulate(4, opt)(lambda x, y: F.mse_loss(model(x), y))
     batches = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 40, 4)]
     for x, y in train_step.epoch(batches):
@@ -341,8 +316,8 @@ def test_epoch_iterator_flushes_and_refuses_a_straddling_window() -> None:
 
 
 def test_nonfinite_loss_skips_the_window_and_the_scheduler_with_a_warning() -> None:
-    X, Y = _linear_data()
-    model, opt, _ = _pair()
+    X, Y = linear_data()
+    model, opt, _, _ = twin()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scale = [1.0]
     train_step = accumulate(2, opt, scheduler=sched, skip_nonfinite=True)(
@@ -395,7 +370,7 @@ def test_bad_arguments_are_rejected_at_decoration() -> None:
 
 
 def test_a_scheduler_of_another_optimizer_is_refused_at_decoration() -> None:
-    _, opt, _ = _pair()
+    opt = twin().opt
     other = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(other, step_size=1)
     with pytest.raises(
@@ -419,7 +394,7 @@ def test_a_scheduler_of_another_optimizer_is_refused_at_decoration() -> None:
     ],
 )
 def test_bad_step_results_raise_before_gradients_are_touched(make, error: type, pattern: str) -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     train_step = accumulate(2, opt)(lambda x: make(model, x))
     with pytest.raises(error, match=pattern):
         train_step(torch.ones(4, 3))
@@ -428,7 +403,7 @@ def test_bad_step_results_raise_before_gradients_are_touched(make, error: type, 
 
 
 def test_switching_between_bare_loss_and_num_items_is_an_error() -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     with_items = [False]
     train_step = accumulate(4, opt)(lambda x: (model(x).sum(), 4) if with_items[0] else model(x).sum())
     train_step(torch.ones(4, 3))
@@ -438,28 +413,15 @@ def test_switching_between_bare_loss_and_num_items_is_an_error() -> None:
     assert train_step.pending == 1
 
 
-class _FakeFSDP2(torch.nn.Linear):
-    """Stands in for an FSDP2 module: all the step looks for is set_requires_gradient_sync."""
-
-    def __init__(self) -> None:
-        super().__init__(3, 1)
-        self.sync_calls: list[bool] = []
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        self.sync_calls.append(requires_gradient_sync)
-
-
 def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
-    X, Y = _linear_data()
+    X, Y = linear_data()
     torch.manual_seed(0)
-    model = _FakeFSDP2()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = twin(FakeFSDP2())
     train_step = accumulate(3, opt, model=model)(lambda x, y: (F.mse_loss(model(x), y), len(y)))
     for i in range(0, 12, 4):
         train_step(X[i : i + 4], Y[i : i + 4])
     assert model.sync_calls == [False, True]  # off for calls 1-2, back on for the boundary call
-    _sgd_on(ref, torch.optim.SGD(ref.parameters(), lr=0.1), F.mse_loss(ref(X[:12]), Y[:12]))
+    reference_step(ref_opt, F.mse_loss(ref(X[:12]), Y[:12]))
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
     train_step(X[:4], Y[:4])
     assert model.sync_calls == [False, True, False]
@@ -488,7 +450,7 @@ def test_ddp_equals_the_single_process_reference_with_one_all_reduce_per_step(mo
 
 
 def test_a_window_of_zero_items_never_writes_nan() -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(4, 3)
     step_host = accumulate(2, opt)(lambda n: (model(x).pow(2).mean(), n))
@@ -506,8 +468,8 @@ def test_a_window_of_zero_items_never_writes_nan() -> None:
 
 
 def test_load_state_dict_checks_everything_before_changing_anything() -> None:
-    X, Y = _linear_data()
-    model, opt, _ = _pair()
+    X, Y = linear_data()
+    model, opt, _, _ = twin()
     train_step = accumulate(4, opt)(lambda x, y: F.mse_loss(model(x), y))
     train_step(X[:4], Y[:4])
     good = train_step.state_dict()
@@ -529,13 +491,13 @@ def test_load_state_dict_checks_everything_before_changing_anything() -> None:
 
 @pytest.mark.parametrize("target", [None, 5, "f", type("Net", (), {})])
 def test_decorating_something_that_is_not_a_step_function_raises(target) -> None:
-    _, opt, _ = _pair()
+    opt = twin().opt
     with pytest.raises(TypeError, match="expected the step function"):
         accumulate(2, opt)(target)
 
 
 def test_a_one_element_loss_comes_back_0_dim() -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     train_step = accumulate(2, opt)(lambda: model(torch.ones(4, 3)).pow(2).mean().reshape(1, 1))
     assert train_step().shape == ()
 
@@ -545,12 +507,8 @@ def test_a_one_element_loss_comes_back_0_dim() -> None:
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_the_seeded_backward_gives_the_hand_written_gradients_bit_for_bit(every, dtype, shape) -> None:
     """The plain mean path backs ``loss`` up with the output gradient 1/N instead of building ``loss / N``."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)).to(dtype)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = (t.to(dtype) for t in _linear_data(4 * every))
+    model, opt, ref, ref_opt = twin(mlp(3, 5, 1).to(dtype))
+    x, y = (t.to(dtype) for t in linear_data(4 * every))
 
     @accumulate(every, opt)
     def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -598,9 +556,8 @@ class _HalveGradInPlace(torch.autograd.Function):
 
 
 def test_a_backward_that_edits_its_output_gradient_in_place_matches_the_reference() -> None:
-    model, opt, ref = _pair()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x, y = _linear_data(16)
+    model, opt, ref, ref_opt = twin()
+    x, y = linear_data(16)
     train_step = accumulate(4, opt)(lambda xb, yb: _HalveGradInPlace.apply(F.mse_loss(model(xb), yb)))
     for i in range(8):
         train_step(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2])
@@ -623,7 +580,7 @@ def _hand_stepping_loop(train_step, opt: torch.optim.Optimizer) -> None:
 def test_stepping_the_optimizer_by_hand_mid_window_warns_once(inside_check: bool) -> None:
     from speedups import check
 
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     train_step = accumulate(4, opt)(lambda x: model(x).pow(2).mean())
     pattern = r"optimizer\.step\(\) was called by hand .*after micro-step 1, 1 of 4 of the window"
     with contextlib.ExitStack() as stack:
@@ -643,7 +600,7 @@ def test_stepping_the_optimizer_by_hand_mid_window_warns_once(inside_check: bool
 def test_the_steps_own_updates_and_flush_never_warn(dtype: str) -> None:
     from speedups.precision import mixed_precision
 
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
 
     def loss(x: torch.Tensor) -> torch.Tensor:
         return model(x).pow(2).mean()
@@ -660,7 +617,7 @@ def test_the_steps_own_updates_and_flush_never_warn(dtype: str) -> None:
 
 
 def test_the_guard_goes_with_the_step_and_enabled_false_sets_none() -> None:
-    model, opt, _ = _pair()
+    model, opt, _, _ = twin()
     assert not opt._optimizer_step_pre_hooks  # read here only, to see that nothing of ours is left
     accumulate(4, opt, enabled=False)(lambda x: model(x).pow(2).mean())
     assert not opt._optimizer_step_pre_hooks  # a plain step on every call: nothing to guard

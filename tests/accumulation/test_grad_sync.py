@@ -9,17 +9,7 @@ from torch import nn
 from speedups import SpeedupsError
 from speedups.accumulation.grad_sync import DDPSync, FSDP2Sync, GradSync, SyncKind, count_dtype, grad_sync_for
 from tests._dist import free_port
-
-
-class _FakeFSDP2(nn.Linear):
-    """Stands in for an FSDP2 module: all the strategy looks for is set_requires_gradient_sync."""
-
-    def __init__(self) -> None:
-        super().__init__(3, 1)
-        self.sync_calls: list[bool] = []
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        self.sync_calls.append(requires_gradient_sync)
+from tests._models import FakeFSDP2
 
 
 def test_one_process_syncs_nothing_and_weighs_by_the_first_count() -> None:
@@ -36,7 +26,7 @@ def test_one_process_syncs_nothing_and_weighs_by_the_first_count() -> None:
 
 
 def test_fsdp2_switches_sync_only_when_it_changes_and_cannot_flush() -> None:
-    model = _FakeFSDP2()
+    model = FakeFSDP2()
     sync = grad_sync_for(model)
     assert isinstance(sync, FSDP2Sync) and sync.kind is SyncKind.FSDP2 and sync.world == 1
     for boundary in (False, False, True, False, True):

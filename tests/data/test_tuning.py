@@ -20,14 +20,14 @@ needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (f
 
 
 # ------------------------------------------------------------------------------------------ A6 and pickling
-def test_a6_as_written_is_rejected_by_torch_itself() -> None:
+def test_torch_refuses_a_multiprocessing_context_without_workers() -> None:
     """The case's loader needs num_workers > 0 to carry a multiprocessing_context; the tests use 2."""
     with pytest.raises(ValueError, match="multiprocessing_context"):
         DataLoader(list(range(8)), batch_size=2, collate_fn=lambda b: b, multiprocessing_context="spawn")
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a6_unpicklable_collate_stays_at_zero_workers_with_one_warning(method: str) -> None:
+def test_unpicklable_collate_stays_at_zero_workers_with_one_warning(method: str) -> None:
     loader = DataLoader(
         list(range(8)), batch_size=2, collate_fn=lambda b: b, num_workers=2, multiprocessing_context=method
     )

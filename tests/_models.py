@@ -1,0 +1,67 @@
+"""The models, optimizers and data the tests share: each test builds its own, from fixed seeds.
+
+A wrapper is checked against a plain-PyTorch reference: :func:`twin` gives a model and an identical copy,
+each with its own optimizer, and :func:`reference_step` is the hand-written optimizer step of the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+def linear_data(n: int = 40, *, inputs: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows of regression data: ``x`` of shape ``(n, inputs)``, ``y`` of shape ``(n, 1)``, float32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, inputs, generator=g), torch.randn(n, 1, generator=g)
+
+
+def mlp(*sizes: int, activation: type[nn.Module] = nn.Tanh, seed: int = 0) -> nn.Sequential:
+    """``mlp(3, 8, 1)``: Linear(3, 8), activation, Linear(8, 1), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers += [nn.Linear(a, b)] if i == 0 else [activation(), nn.Linear(a, b)]
+    return nn.Sequential(*layers)
+
+
+class FakeFSDP2(nn.Linear):
+    """``nn.Linear(3, 1)`` standing in for an FSDP2 module: all ``@accumulate`` looks for is
+    ``set_requires_gradient_sync``, whose calls it records in ``sync_calls``."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 1)
+        self.sync_calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.sync_calls.append(requires_gradient_sync)
+
+
+class Twin(NamedTuple):
+    """A model and its optimizer, and an identical copy (the reference) with its own."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    ref: nn.Module
+    ref_opt: torch.optim.Optimizer
+
+
+def twin(model: nn.Module | None = None, *, seed: int = 0, lr: float = 0.1) -> Twin:
+    """``model`` (default: ``nn.Linear(3, 1)`` from ``seed``) and a deep copy, each with ``SGD(lr)``."""
+    if model is None:
+        torch.manual_seed(seed)
+        model = nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    return Twin(model, opt, ref, ref_opt)
+
+
+def reference_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """The hand-written optimizer step: ``zero_grad()``, ``loss.backward()``, ``step()``."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
