@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import warnings
+import weakref
 from typing import Any, TypeVar
 
 import torch
@@ -19,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpu_has_native_bf16
-from speedups._helpers.stepping import apply_update, check_max_grad_norm, current_step
+from speedups._helpers.stepping import apply_update, check_max_grad_norm, current_step, params_of
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -78,7 +79,10 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
 
     fp16 owns a ``torch.amp.GradScaler`` (:attr:`scaler`). Inside an ``@accumulate`` step (stacked under the
     decorator or as ``with`` in its body) the step takes the scaler over: it scales each backward, unscales
-    once per optimizer step before clipping, and skips the optimizer and scheduler steps on overflow.
+    once per optimizer step before clipping, and skips the optimizer and scheduler steps on overflow. One
+    object may serve several steps (a GAN's generator and discriminator): the first step uses
+    :attr:`scaler`, every other step a GradScaler of its own (saved with that step's ``state_dict``), as
+    PyTorch's AMP recipe keeps one per optimizer, so one step's overflow never rescales another's window.
     Outside a step, use :meth:`backward` and :meth:`step`. bf16 needs no scaler.
 
     A whole loop may run inside one ``with``: after every optimizer step taken while the context is open
@@ -156,6 +160,9 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         _watch_optimizer_steps()
         if wanted == torch.float16:
             self.scaler = torch.amp.GradScaler(self.device_type, init_scale=float(init_scale))
+        self._init_scale = float(init_scale)
+        self._owner: weakref.ref[Any] | None = None  # the step that uses self.scaler
+        self._per_step: weakref.WeakKeyDictionary[Any, torch.amp.GradScaler] = weakref.WeakKeyDictionary()
 
     @property
     def enabled(self) -> bool:
@@ -166,6 +173,21 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32 (off)"}[self.dtype]
         return f"mixed_precision({name}, device_type={self.device_type!r})"
 
+    def _scaler_for(self, step: Any) -> torch.amp.GradScaler:
+        """The GradScaler of ``step``: :attr:`scaler` for the first step entered, a new one for each other.
+
+        One loss scale per step, as PyTorch's AMP recipe keeps one GradScaler per optimizer: an overflow in
+        one step's window (a GAN's discriminator) then never rescales another step's open window.
+        """
+        assert self.scaler is not None
+        owner = None if self._owner is None else self._owner()
+        if owner is None or owner is step:
+            self._owner = weakref.ref(step)
+            return self.scaler
+        if step not in self._per_step:
+            self._per_step[step] = torch.amp.GradScaler(self.device_type, init_scale=self._init_scale)
+        return self._per_step[step]
+
     # -------------------------------------------------------------------------------- context manager
     def __enter__(self) -> mixed_precision:
         if self.dtype is None:
@@ -173,7 +195,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         if self.scaler is not None:
             step = current_step.get()
             if step is not None:
-                step.adopt_scaler(self.scaler)
+                step.adopt_scaler(self._scaler_for(step))
         autocast = torch.autocast(self.device_type, dtype=self.dtype)
         autocast.__enter__()
         entry: list[Any] = [self, autocast, None]
@@ -242,9 +264,10 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
     def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
         """Unscale once (fp16), clip to ``max_grad_norm`` if given, then step the optimizer or skip it.
 
-        With fp16, ``GradScaler.step`` skips the step when the gradients hold inf/NaN (its own host-device
-        sync) and ``GradScaler.update`` adjusts the scale; :attr:`last_step_skipped` (a bool, no further
-        sync) and :attr:`found_inf` (a device tensor) say what happened. With bf16 or fp32 this is
+        With fp16 the step is skipped when the unscaled gradients hold inf/NaN (one host-device sync reads
+        that, for fused optimizers too, whose own skip GradScaler cannot report) and ``GradScaler.update``
+        adjusts the scale; :attr:`last_step_skipped` (a bool, no further sync) and :attr:`found_inf` (a
+        device tensor) say what happened. With bf16 or fp32 this is
         ``optimizer.step()`` after the optional clip. Gradients are not zeroed: call
         ``optimizer.zero_grad()`` as usual.
 
@@ -272,7 +295,10 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 "`amp.backward(loss)`, then call amp.step(optimizer)."
             )
         self._scaled_backwards = 0
-        stepped, probe = apply_update(optimizer, self.scaler, max_grad_norm, 1.0, skip_nonfinite=False)
+        params = params_of((optimizer,))
+        stepped, _, probe = apply_update(
+            (optimizer,), self.scaler, max_grad_norm, 1.0, skip_nonfinite=False, params=params
+        )
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
         return stepped

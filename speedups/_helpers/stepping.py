@@ -24,6 +24,7 @@ __all__ = [
     "check_max_grad_norm",
     "current_step",
     "grads_of",
+    "params_of",
     "total_norm",
 ]
 
@@ -52,9 +53,19 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
     return validate.real(max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0")
 
 
-def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The existing gradients of the optimizer's parameters, in param-group order."""
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The existing gradients of ``params``, in their order."""
+    return [p.grad for p in params if p.grad is not None]
+
+
+def params_of(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The distinct parameters of ``optimizers``, in optimizer then param-group order."""
+    seen: dict[int, torch.Tensor] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -69,45 +80,51 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def apply_update(
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     scaler: torch.amp.GradScaler | None,
     max_grad_norm: float | None,
     factor: float | torch.Tensor,
     *,
     skip_nonfinite: bool,
+    params: Sequence[torch.Tensor],
     probe: torch.Tensor | None = None,
-) -> tuple[bool, torch.Tensor | None]:
-    """Unscale once, multiply the gradients by ``factor``, clip, then step the optimizer or skip.
+) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+    """Unscale once per optimizer, multiply the gradients by ``factor``, clip, then step them all or none.
 
-    With a ``scaler``, ``GradScaler.step`` decides (it skips a step whose gradients hold inf/NaN, which is its
-    own host-device sync) and ``GradScaler.update`` runs. Without one and with ``skip_nonfinite``, the step is
-    skipped when ``probe`` (a tensor that is non-finite exactly when the step must not happen), or else the
-    gradient norm, is not finite: reading that is one host-device sync.
+    ``params`` are the parameters of ``optimizers`` in the order the gradient norm sums them (the model's
+    order when known: ``clip_grad_norm_(model.parameters())`` gives the same norm bit for bit). With a
+    ``scaler`` the gradients are unscaled (``GradScaler.unscale_`` per optimizer) and the norm decides: if it
+    is not finite no optimizer steps (one window, one decision, also for fused optimizers, whose own skip
+    GradScaler cannot report), and ``GradScaler.update`` backs the scale off. Without a scaler and with
+    ``skip_nonfinite``, ``probe`` (non-finite exactly when the step must not happen), else the norm, decides.
+    Reading the decision is one host-device sync; without a scaler or ``skip_nonfinite`` there is none.
 
     Returns:
-        ``(stepped, probe)``: whether ``optimizer.step`` really ran (a Python bool), and the 0-dim tensor
-        whose finiteness was checked (the gradient norm when there was one), or None when nothing was checked.
+        ``(stepped, grad_norm, checked)``: whether the optimizers stepped (a Python bool); the total gradient
+        norm before clipping (a 0-dim device tensor) when one was computed (clipping, a scaler, or
+        ``skip_nonfinite`` without ``probe``), else None; the 0-dim tensor whose finiteness was checked (the
+        norm, else ``probe``), or None when nothing was.
     """
     if scaler is not None:
-        scaler.unscale_(optimizer)
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
     if not isinstance(factor, float) or factor != 1.0:
-        for g in grads_of(optimizer):
+        for g in grads_of(params):
             g.mul_(factor)
+    norm: torch.Tensor | None = None
     if max_grad_norm is not None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        probe = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
     elif scaler is not None or (skip_nonfinite and probe is None):
-        probe = total_norm(grads_of(optimizer))
-    if scaler is None:
-        if skip_nonfinite and probe is not None and not math.isfinite(probe.item()):  # host-device sync
-            return False, probe
-        optimizer.step()
-        return True, probe
-    stepped: list[bool] = []
-    handle = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
-    try:
-        scaler.step(optimizer)  # GradScaler's own sync: skips the step on inf/NaN
-    finally:
-        handle.remove()
-    scaler.update()
-    return bool(stepped), probe
+        norm = total_norm(grads_of(params))
+    decider = norm if norm is not None else probe
+    checking = scaler is not None or skip_nonfinite
+    # Reading the decision is a host-device sync: the one of this update.
+    if checking and decider is not None and not math.isfinite(decider.item()):
+        if scaler is not None:
+            scaler.update()  # backs the scale off (the inf checks were recorded by unscale_)
+        return False, norm, decider
+    for optimizer in optimizers:
+        optimizer.step()  # unscaled and checked above: what GradScaler.step would run
+    if scaler is not None:
+        scaler.update()
+    return True, norm, decider

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -25,8 +26,10 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, TypeVar
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from speedups._helpers.stepping import apply_update, current_step
+from speedups._helpers.stepping import apply_update, current_step, params_of
+from speedups._helpers.validate import short
 from speedups.accumulation.checks import (
     check_outer_autocast,
     check_result,
@@ -37,6 +40,7 @@ from speedups.accumulation.checks import (
 from speedups.accumulation.grad_sync import GradSync, SyncKind, count_dtype
 from speedups.accumulation.micro_batching import MicroBatcher
 from speedups.accumulation.output import as_loss_and_items, result_of
+from speedups.accumulation.update_record import UpdateRecord
 from speedups.accumulation.zero_items import GradMask, keep_of
 from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -70,18 +74,20 @@ class Accumulator:
     def __init__(
         self,
         every: int,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        schedulers: tuple[Any, ...],
         max_grad_norm: float | None,
         sync: GradSync,
         skip_nonfinite: bool,
         micro: MicroBatcher | None = None,
         *,
+        model: torch.nn.Module | None = None,
         guard: bool = True,
     ) -> None:
         self.every = every
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.model = model  # its parameters' order is the gradient norm's order
         self.max_grad_norm = max_grad_norm
         self.scaler: torch.amp.GradScaler | None = None
         self.mode: _Mode | None = None  # fixed by the first call
@@ -110,10 +116,17 @@ class Accumulator:
         self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
         self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
         self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
+        self.hooks: dict[int, Callable[[UpdateRecord], Any]] = {}  # on_update hooks, by handle id
+        self.window_log: list[tuple[torch.Tensor, Any]] = []  # per call (loss or loss * items, items)
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
+        self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
+        self.warned_zero_grad = False
+        self._order: tuple[int, list[torch.Tensor]] = (-1, [])  # (parameter count, parameters in norm order)
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
-            handle = optimizer.register_step_pre_hook(hook)
-            weakref.finalize(self, handle.remove).atexit = False
+            for optimizer in optimizers:
+                handle = optimizer.register_step_pre_hook(hook)
+                weakref.finalize(self, handle.remove).atexit = False
 
     # ------------------------------------------------------------------------------------------ call
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
@@ -137,6 +150,8 @@ class Accumulator:
         """The wrapt wrapper: one micro-step."""
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
+        if self.pending and self.sentinel is not None and self.sentinel.grad is None:
+            self._warn_zero_grad()
         if self.micro is not None:  # the call's batch split into micro-batches
             return self._call_micro(self.micro, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
@@ -169,10 +184,14 @@ class Accumulator:
             current_step.reset(token)
         self.step += 1
         self.pending += 1
+        if self.hooks:
+            self._log_call(detached, n, keep)
+        if self.sentinel is None:
+            self.sentinel = self._with_grad()
         if boundary:
             if work is not None:
                 work.wait()
-            self.sync.before_update(self.optimizer)
+            self.sync.before_update(self.trainable())
             self._update(synced=True)
         return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
@@ -192,6 +211,10 @@ class Accumulator:
             self.losses.append(loss)
         self.step += 1
         self.pending += 1
+        if self.hooks:
+            self._log_call(loss, n, keep_of(n) if n is not None else None)
+        if self.sentinel is None:
+            self.sentinel = self._with_grad()
         if boundary:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
@@ -221,8 +244,8 @@ class Accumulator:
         return self.sync.micro_step(False)
 
     def trainable(self) -> list[torch.Tensor]:
-        """The optimizer's parameters, in param-group order."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        """The optimizers' parameters, in optimizer then param-group order."""
+        return params_of(self.optimizers)
 
     def window_counts(self) -> tuple[float, torch.Tensor | None, Any]:
         """The open window's item counts and weight reference."""
@@ -238,7 +261,7 @@ class Accumulator:
         Returns the calls dropped, the failing one included.
         """
         dropped = self.pending + 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._reset_window()
         return dropped
 
@@ -276,7 +299,7 @@ class Accumulator:
         if keep is None:  # every gradient counts: the plain backward
             target.backward()
         else:
-            self.mask.backward(target, keep, self.optimizer, single=self.sync.kind is SyncKind.SINGLE)
+            self.mask.backward(target, keep, self.trainable(), single=self.sync.kind is SyncKind.SINGLE)
 
     def parse(self, out: Any) -> tuple[torch.Tensor, Any]:
         """Check a call's result; return ``(loss, num_items)`` (None for a bare loss).
@@ -342,20 +365,23 @@ class Accumulator:
     def _update(self, synced: bool) -> None:
         # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
         # its gradients are dropped and the counters say what really happened, then the error propagates.
+        record = None
         try:
             if self.mode == _ITEMS and not self._has_items():
                 self.last_step_skipped = True
                 warn_skipped(self.step, empty=True)
                 return
             factor = self._factor(synced)
-            self.updating = True  # the optimizer step below is this step's own: its guard lets it pass
+            lrs = tuple(g["lr"] for opt in self.optimizers for g in opt.param_groups) if self.hooks else ()
+            self.updating = True  # the optimizer steps below are this step's own: its guard lets them pass
             try:
-                stepped, self.probe = apply_update(
-                    self.optimizer,
+                stepped, self.last_grad_norm, self.probe = apply_update(
+                    self.optimizers,
                     self.scaler,
                     self.max_grad_norm,
                     factor,
                     skip_nonfinite=self.skip_nonfinite,
+                    params=self._norm_order(),
                     probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
                 )
             finally:
@@ -363,13 +389,35 @@ class Accumulator:
             self.last_step_skipped = not stepped
             if stepped:
                 self.num_updates += 1
-                if self.scheduler is not None:
-                    self.scheduler.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
+                if self.hooks:
+                    record = self._record(lrs)
             elif self.scaler is None:
                 warn_skipped(self.step, empty=False)
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self._reset_window()
+        if record is not None:
+            for hook in list(self.hooks.values()):
+                hook(record)
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _norm_order(self) -> list[torch.Tensor]:
+        """The optimizers' parameters in the order the gradient norm sums them: ``model.parameters()``'s
+        where ``model=`` was given (as ``clip_grad_norm_(model.parameters())`` does), the rest after."""
+        params = self.trainable()
+        if self.model is None:
+            return params
+        if self._order[0] != len(params):  # computed again only when the optimizers' parameters change
+            ids = {id(p) for p in params}
+            first = [p for p in self.model.parameters() if id(p) in ids]
+            placed = {id(p) for p in first}
+            self._order = (len(params), first + [p for p in params if id(p) not in placed])
+        return self._order[1]
 
     def _reset_window(self) -> None:
         self.pending = 0
@@ -378,19 +426,79 @@ class Accumulator:
         self.host_items = False
         self.losses = []
         self.ref_n = 1.0
+        self.window_log = []
+        self.sentinel = None
+
+    def _with_grad(self) -> torch.Tensor | None:
+        """A parameter that has a gradient now (the zero_grad watch), or None."""
+        return next((p for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+                     if p.grad is not None), None)  # fmt: skip
+
+    # ------------------------------------------------------------------------------- per-update hooks
+    def on_update(self, fn: Callable[[UpdateRecord], Any]) -> RemovableHandle:
+        """Call ``fn(record)`` after every optimizer step really taken; return a removable handle."""
+        if not callable(fn):
+            raise TypeError(
+                f"train_step.on_update({short(fn)}): expected a function of one argument, the "
+                f"UpdateRecord. Write train_step.on_update(lambda record: ema.update_parameters(model))."
+            )
+        handle = RemovableHandle(self.hooks)
+        self.hooks[handle.id] = fn
+        return handle
+
+    def _log_call(self, loss: torch.Tensor, n: Any, keep: Keep) -> None:
+        """Keep what the window's mean loss needs of this call: its loss (times its items), its items."""
+        if n is None:
+            self.window_log.append((loss, None))
+        elif keep is False:
+            self.window_log.append((torch.zeros_like(loss), n))
+        else:
+            part = loss * (n.detach() if isinstance(n, torch.Tensor) else n)
+            self.window_log.append((part if keep is None else torch.where(keep, part, 0.0), n))
+
+    def _record(self, lrs: tuple[Any, ...]) -> UpdateRecord:
+        """The record of the update just taken (before the window is reset)."""
+        log = self.window_log
+        loss: torch.Tensor | None = None
+        if log and len(log) == self.pending:  # the whole window was logged
+            total = log[0][0]
+            for part, _ in log[1:]:
+                total = total + part
+            if self.mode is _ITEMS:  # the items' mean; NaN for a window of no items
+                count: Any = 0
+                for _, n in log:
+                    count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
+                if isinstance(count, torch.Tensor):
+                    loss = torch.where(count > 0, total / count, math.nan).to(total.dtype)
+                else:
+                    loss = total / count if count else torch.full_like(total, math.nan)
+            else:
+                loss = total / len(log)
+        items = None
+        if self.mode is _ITEMS:
+            items = self.total_host if self.total_device is None else self.total_device + self.total_host
+        return UpdateRecord(
+            step=self.step,
+            num_updates=self.num_updates,
+            micro_steps=self.pending,
+            loss=loss,
+            num_items=items,
+            grad_norm=self.last_grad_norm,
+            lrs=lrs,
+        )
 
     def flush(self) -> None:
         if not self.pending:
             return
         self._stand_in_scaler()  # a restored fp16 window flushed before any fp16 call
         local_count = self._local_count if self.mode is _ITEMS else None
-        count = self.sync.sync_window(self.optimizer, local_count, self.pending, self.every)
+        count = self.sync.sync_window(self.trainable(), local_count, self.pending, self.every)
         if count is not None:
             self.total_device, self.total_host = count, 0.0
         try:
             self._update(synced=False)
         finally:
-            self.sync.after_flush(self.optimizer)
+            self.sync.after_flush(self.trainable())
 
     def epoch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted (see ``Step.epoch``).
@@ -446,6 +554,7 @@ class Accumulator:
             "losses": [loss.clone() for loss in self.losses],
             "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
             "in_epoch": bool(self.in_epoch and self.pending),  # the open window belongs to a running epoch()
+            "log": [(x.clone(), n.clone() if isinstance(n, torch.Tensor) else n) for x, n in self.window_log],
         }
 
     def check_state(self, state: Any) -> None:
@@ -481,6 +590,8 @@ class Accumulator:
         self.losses = list(state.get("losses", []))
         self.ref_n = state.get("ref_n", 1.0)
         self.resumed_in_epoch = bool(state.get("in_epoch", False)) and self.pending > 0
+        self.window_log = list(state.get("log", []))
+        self.sentinel = None
         self.sync.restart()
 
     def _handed_over(self) -> dict[str, Any] | None:
@@ -502,6 +613,20 @@ class Accumulator:
         self.scaler, self.stand_in, self.restored_scaler = scaler, True, None
 
     # ------------------------------------------------------------------------------------------ guard
+    def _warn_zero_grad(self) -> None:
+        """Warn once: the open window's gradients were set to None by someone else (a zero_grad by hand)."""
+        if self.warned_zero_grad:
+            return
+        self.warned_zero_grad = True
+        warnings.warn(  # stacklevel 4: here, __call__, the wrapt wrapper, the caller of the step
+            f"accumulate: the gradients of the open accumulation window ({self.pending} of {self.every} "
+            f"micro-steps) were set to None before micro-step {self.step + 1}: `optimizer.zero_grad()` or "
+            f"`model.zero_grad()` is still in the loop, so the window lost what it had accumulated. Fix: "
+            f"remove the zero_grad() call; @accumulate zeroes the gradients after each optimizer step.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )
+
     def warn_hand_step(self) -> None:
         """Warn once that the optimizer was stepped by hand while a window is open (not by this step)."""
         if self.updating or not self.pending or self.warned_hand_step:

@@ -41,44 +41,22 @@ def check_arguments(
     enabled: Any,
     *,
     stacklevel: int,
-) -> tuple[int, float | None]:
-    """Check the arguments of ``accumulate(...)``; return ``every`` and ``max_grad_norm`` (a float or None).
+) -> tuple[int, tuple[torch.optim.Optimizer, ...], tuple[Any, ...], float | None]:
+    """Check the arguments of ``accumulate(...)``.
 
-    Warns (rank 0, at ``stacklevel`` above this call) when a multi-process job gives no ``model=``.
+    Returns ``every``, the optimizers and the schedulers as tuples (one optimizer or a list of them; None,
+    one scheduler or a list), and ``max_grad_norm`` (a float or None). Warns (rank 0, at ``stacklevel``
+    above this call) when a multi-process job gives no ``model=``.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: ``every < 1``, or ``max_grad_norm`` not a positive finite number.
+        ValueError: ``every < 1``; no optimizer, the same optimizer twice or a parameter in two of them; a
+            scheduler of an optimizer not given; ``max_grad_norm`` not a positive finite number.
     """
     with validate.arguments(f"accumulate({short(every)}, optimizer, ...)"):
         every = validate.integer(every, "every", minimum=1, example="4")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            got = type(optimizer).__name__
-            raise TypeError(
-                f"optimizer={short(optimizer)}: expected a torch.optim.Optimizer, got {got}. "
-                f"Write accumulate({every}, torch.optim.SGD(model.parameters(), lr))."
-            )
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise TypeError(
-                f"scheduler={short(scheduler)}: expected an LR scheduler with a step() method or None, got "
-                f"{type(scheduler).__name__}."
-            )
-        if scheduler is not None and _needs_arguments(scheduler.step):
-            raise TypeError(
-                f"scheduler={type(scheduler).__name__}: its step() needs an argument (ReduceLROnPlateau "
-                f"needs the metric), but @accumulate calls scheduler.step() with none after each optimizer "
-                f"step. Allowed: a scheduler stepped per optimizer step (StepLR, OneCycleLR, LambdaLR...). "
-                f"Fix: leave it out of accumulate(...) and step it yourself after validation: "
-                f"`scheduler.step(val_loss)`."
-            )
-        owner = getattr(scheduler, "optimizer", None)
-        if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
-            raise ValueError(
-                f"scheduler={type(scheduler).__name__}: it schedules another optimizer than this one, so "
-                f"stepping it would change a learning rate this step never uses. Build it on the same one: "
-                f"scheduler = {type(scheduler).__name__}(optimizer, ...); accumulate({every}, optimizer, "
-                f"scheduler=scheduler)."
-            )
+        optimizers = _optimizers(optimizer, every)
+        schedulers = _schedulers(scheduler, optimizers, every)
         max_grad_norm = check_max_grad_norm(max_grad_norm)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -95,7 +73,71 @@ def check_arguments(
             SpeedupsWarning,
             stacklevel=stacklevel,
         )
-    return every, max_grad_norm
+    return every, optimizers, schedulers, max_grad_norm
+
+
+def _optimizers(optimizer: Any, every: int) -> tuple[torch.optim.Optimizer, ...]:
+    """``optimizer=`` as a tuple: one optimizer, or a list/tuple of distinct ones sharing no parameter."""
+    given = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+    fix = f"Write accumulate({every}, optimizer) or accumulate({every}, [backbone_opt, head_opt])."
+    if not given:
+        raise ValueError(f"optimizer=[]: expected at least one torch.optim.Optimizer. {fix}")
+    for opt in given:
+        if not isinstance(opt, torch.optim.Optimizer):
+            got = type(opt).__name__
+            if given[0] is not optimizer:
+                got = f"a {type(optimizer).__name__} of {got}"
+            if isinstance(opt, torch.Tensor):  # model.parameters() passed where the optimizer goes
+                fix = f"Build the optimizer first: accumulate({every}, torch.optim.SGD(model.parameters()))."
+            raise TypeError(
+                f"optimizer={short(optimizer)}: expected a torch.optim.Optimizer or a list of them, got "
+                f"{got}. {fix}"
+            )
+    if len({id(opt) for opt in given}) != len(given):
+        raise ValueError(f"optimizer={short(optimizer)}: the same optimizer is listed twice. {fix}")
+    seen: set[int] = set()
+    for i, opt in enumerate(given):
+        ids = {id(p) for group in opt.param_groups for p in group["params"]}
+        if ids & seen:
+            raise ValueError(
+                f"optimizer={short(optimizer)}: optimizer {i} ({type(opt).__name__}) holds a parameter an "
+                f"earlier one holds too, so one update would step it twice. Give each parameter to one "
+                f"optimizer."
+            )
+        seen |= ids
+    return given
+
+
+def _schedulers(scheduler: Any, optimizers: tuple[torch.optim.Optimizer, ...], every: int) -> tuple[Any, ...]:
+    """``scheduler=`` as a tuple: None, one scheduler or a list, each stepped once per optimizer step."""
+    if scheduler is None:
+        return ()
+    given = tuple(scheduler) if isinstance(scheduler, (list, tuple)) else (scheduler,)
+    for sched in given:
+        if not callable(getattr(sched, "step", None)):
+            raise TypeError(
+                f"scheduler={short(sched)}: expected an LR scheduler with a step() method (or a list of "
+                f"them) or None, got {type(sched).__name__}."
+            )
+        if _needs_arguments(sched.step):
+            raise TypeError(
+                f"scheduler={type(sched).__name__}: its step() needs an argument (ReduceLROnPlateau "
+                f"needs the metric), but @accumulate calls scheduler.step() with none after each optimizer "
+                f"step. Allowed: a scheduler stepped per optimizer step (StepLR, OneCycleLR, LambdaLR...). "
+                f"Fix: leave it out of accumulate(...) and step it yourself after validation: "
+                f"`scheduler.step(val_loss)`."
+            )
+        owner = getattr(sched, "optimizer", None)
+        if isinstance(owner, torch.optim.Optimizer) and all(owner is not opt for opt in optimizers):
+            raise ValueError(
+                f"scheduler={type(sched).__name__}: it schedules another optimizer than this step's, so "
+                f"stepping it would change a learning rate this step never uses. Build it on the same one: "
+                f"scheduler = {type(sched).__name__}(optimizer, ...); accumulate({every}, optimizer, "
+                f"scheduler=scheduler)."
+            )
+    if len({id(sched) for sched in given}) != len(given):
+        raise ValueError(f"scheduler={short(scheduler)}: the same scheduler is listed twice.")
+    return given
 
 
 def _needs_arguments(step: Any) -> bool:

@@ -7,7 +7,7 @@ The decorator checks its arguments once, then gives each decorated function an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def accumulate(
     every: int,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     scheduler: Any = None,
     max_grad_norm: float | None = None,
@@ -40,24 +40,31 @@ def accumulate(
     Every call runs backward; every ``every``-th call (the boundary) normalises the gradients to the exact
     mean of the window, unscales (fp16 ``mixed_precision``) and clips them once, then runs
     ``optimizer.step()``, ``scheduler.step()`` and ``zero_grad()``: the big batch's step in one micro-batch's
-    memory (not faster; batch norm still sees micro-batches). ``(loss, num_items)`` weighs calls by items
-    ("Fixing Gradient Accumulation", Hugging Face, 2024). A DDP ``model=`` runs non-boundary calls in
-    ``no_sync()``; an FSDP2 one turns gradient sync off between boundaries. ``train_step.flush()`` (or
-    ``train_step.epoch(loader)``) applies a short last window. Stepping the optimizer by hand while a window
-    is open warns once.
+    memory (not faster; batch norm still sees micro-batches). Several optimizers (a backbone's and a head's)
+    share one window: each is unscaled once, the norm is clipped over all of them, and all step or none.
+    ``(loss, num_items)`` weighs calls by items ("Fixing Gradient Accumulation", Hugging Face, 2024). A DDP
+    ``model=`` runs non-boundary calls in ``no_sync()``; an FSDP2 one turns gradient sync off between
+    boundaries. ``train_step.flush()`` (or ``train_step.epoch(loader)``) applies a short last window;
+    ``train_step.on_update(fn)`` runs ``fn`` after every optimizer step really taken (EMA, per-update
+    logging). Stepping the optimizer by hand, or setting the gradients to None with ``zero_grad()``, while a
+    window is open warns once.
 
     Sync points: none by default; one per optimizer step with ``skip_nonfinite=True``, an fp16 GradScaler, or
     a device-tensor ``num_items`` (is the window empty? A window of 0 items skips the optimizer step).
     State: ``.step``, ``.is_boundary``, ``.num_updates``, ``.pending``, ``.scaler``, ``.last_step_skipped``,
-    ``.found_inf``, ``.micro_batch_size`` (None under ``"auto"`` until a call runs out of memory).
+    ``.found_inf``, ``.last_grad_norm``, ``.micro_batch_size`` (None under ``"auto"`` until a call runs out
+    of memory).
     Not thread-safe; cannot be pickled (a ``wrapt.FunctionWrapper``).
 
     Args:
         every: micro-steps per optimizer step (N >= 1).
-        optimizer: the ``torch.optim.Optimizer`` holding the parameters.
-        scheduler: stepped after each optimizer step that really happened (anything with ``.step()``).
+        optimizer: the ``torch.optim.Optimizer`` holding the parameters, or a list of them (no parameter in
+            two), all stepped at every boundary.
+        scheduler: stepped after each optimizer step that really happened (anything with ``.step()``), or a
+            list of them, each built on one of the optimizers.
         max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
-        model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module.
+        model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module; the gradient
+            norm then sums in ``model.parameters()`` order, bit-identical to ``clip_grad_norm_``'s.
         skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
         micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
             weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
@@ -86,7 +93,7 @@ def accumulate(
         >>> train_step.flush(); train_step.num_updates, train_step.pending
         (3, 0)
     """
-    every, max_grad_norm = check_arguments(
+    every, optimizers, schedulers, max_grad_norm = check_arguments(
         every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
     )
     check_micro_batching(micro_batch_size, split, grad_sync_for(model).kind, every)
@@ -100,12 +107,13 @@ def accumulate(
             )
         acc = Accumulator(
             every if enabled else 1,
-            optimizer,
-            scheduler,
+            optimizers,
+            schedulers,
             max_grad_norm,
             grad_sync_for(model),  # one strategy per step: it holds the window's sync state
             skip_nonfinite,
             None if micro_batch_size is None else MicroBatcher(micro_batch_size, split),
+            model=model,
             guard=enabled,  # a plain step on every call (enabled=False) owns no window to guard
         )
         return Step(fn, acc)  # type: ignore[return-value]

@@ -12,6 +12,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import wrapt
+from torch.utils.hooks import RemovableHandle
+
+from speedups.accumulation.update_record import UpdateRecord
 
 __all__ = ["Step", "StepOwner"]
 
@@ -30,11 +33,13 @@ class StepOwner(Protocol):
     last_step_skipped: bool
     probe: torch.Tensor | None
     micro: Any
+    last_grad_norm: torch.Tensor | None
 
     def __call__(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any: ...
     def flush(self) -> None: ...
+    def on_update(self, fn: Callable[[Any], Any]) -> RemovableHandle: ...
     def epoch(self, batches: Iterable[T]) -> Iterator[T]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -63,6 +68,28 @@ class _StepAttributes:
     )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
+
+    last_grad_norm = _shown(
+        "last_grad_norm",
+        "The total 2-norm of the last update's gradient before clipping: a 0-dim device tensor (no sync), "
+        "summed in ``model.parameters()`` order with ``model=``; None until the step computed one (it does "
+        "with ``max_grad_norm``, an fp16 GradScaler or ``skip_nonfinite``).",
+    )
+
+    def on_update(self, fn: Callable[[UpdateRecord], Any]) -> RemovableHandle:
+        """Call ``fn(record)`` after every optimizer step really taken; return a handle with ``.remove()``.
+
+        Flushed windows count, skipped ones (fp16 overflow, NaN with ``skip_nonfinite``, zero items) do not.
+        ``record`` is an :class:`~speedups.UpdateRecord`: micro-steps, updates, the window's mean loss and
+        item count as device tensors, the gradient norm, the learning rates; reading none of it syncs. The
+        place for an EMA of the weights (``torch.optim.swa_utils.AveragedModel.update_parameters``),
+        per-update logging and counters. Hooks run in registration order, after the scheduler stepped and
+        the gradients were zeroed; an exception in one propagates from the call that made the update.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        return self._acc().on_update(fn)
 
     @property
     def found_inf(self) -> torch.Tensor | None:

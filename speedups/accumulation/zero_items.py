@@ -47,7 +47,12 @@ class GradMask:
         self.installed = True
 
     def backward(
-        self, target: torch.Tensor, keep: bool | torch.Tensor | None, optimizer: Any, *, single: bool
+        self,
+        target: torch.Tensor,
+        keep: bool | torch.Tensor | None,
+        params: Iterable[torch.Tensor],
+        *,
+        single: bool,
     ) -> None:
         """Run ``target.backward()``, keeping the gradients as ``keep`` says (see :func:`keep_of`).
 
@@ -56,7 +61,7 @@ class GradMask:
         if keep is False and single:
             return  # zero items on the host, one process: nothing to learn, no backward to run
         if keep is not None:
-            self.install(p for group in optimizer.param_groups for p in group["params"])
+            self.install(params)
         self.keep = keep
         try:
             target.backward()

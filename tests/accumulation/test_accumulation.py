@@ -357,7 +357,8 @@ def test_bad_every_is_rejected_at_decoration(every: object, error: type, pattern
 def test_bad_arguments_are_rejected_at_decoration() -> None:
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"optimizer=.*expected a torch.optim.Optimizer, got list"):
+    expected = r"optimizer=.*expected a torch.optim.Optimizer or a list of them, got a list of Parameter\. Build"
+    with pytest.raises(TypeError, match=expected):
         accumulate(4, list(model.parameters()))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"scheduler=.*step\(\)"):
         accumulate(4, opt, scheduler=0.5)

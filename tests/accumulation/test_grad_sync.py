@@ -22,7 +22,7 @@ def test_one_process_syncs_nothing_and_weighs_by_the_first_count() -> None:
     assert ref.dtype == count_dtype(ref.device) == torch.float64 and ref.item() == 8.0
     loss = torch.tensor(2.0)
     assert sync.weigh(loss, 4, 8.0).item() == 1.0
-    assert sync.sync_window(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), None, 1, 4) is None
+    assert sync.sync_window(list(nn.Linear(1, 1).parameters()), None, 1, 4) is None
 
 
 def test_fsdp2_switches_sync_only_when_it_changes_and_cannot_flush() -> None:
@@ -37,7 +37,7 @@ def test_fsdp2_switches_sync_only_when_it_changes_and_cannot_flush() -> None:
     sync.restart()  # a loaded checkpoint: sync back on, the next window starts afresh
     assert model.sync_calls[-2:] == [False, True] and not sync.sync_off
     with pytest.raises(SpeedupsError, match=r"3 micro-steps are pending on an FSDP2 .* multiple of 4"):
-        sync.sync_window(torch.optim.SGD(model.parameters(), lr=0.1), None, 3, 4)
+        sync.sync_window(list(model.parameters()), None, 3, 4)
 
 
 def test_ddp_runs_non_boundary_calls_in_no_sync_and_flush_sums_grads_and_count() -> None:
@@ -53,12 +53,12 @@ def test_ddp_runs_non_boundary_calls_in_no_sync_and_flush_sums_grads_and_count()
             assert not ddp.require_backward_grad_sync
         with sync.micro_step(True):
             assert ddp.require_backward_grad_sync
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        params = list(ddp.parameters())
         ddp.module.weight.grad = torch.ones(1, 3)  # the bias has none on any rank: it stays None, as in DDP
-        count = sync.sync_window(opt, lambda device: torch.full((), 5.0, device=device), 2, 4)
+        count = sync.sync_window(params, lambda device: torch.full((), 5.0, device=device), 2, 4)
         assert count is not None and count.item() == 5.0 and count.dim() == 0
         assert ddp.module.weight.grad.tolist() == [[1.0, 1.0, 1.0]]
         assert ddp.module.bias.grad is None
-        assert sync.sync_window(opt, None, 2, 4) is None  # no item count to sum
+        assert sync.sync_window(params, None, 2, 4) is None  # no item count to sum
     finally:
         torch.distributed.destroy_process_group()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -82,7 +82,7 @@ class GradSync:
         return dist.all_reduce(count, group=self.group, async_op=True)
 
     def sync_window(
-        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
+        self, params: Sequence[torch.Tensor], local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         """Synchronise a flushed window of ``pending`` calls that never synchronised (every rank calls it).
 
@@ -91,10 +91,10 @@ class GradSync:
         """
         return None
 
-    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_update(self, params: Sequence[torch.Tensor]) -> None:
         """Called at a boundary, after the gradients were synchronised and before the optimizer update."""
 
-    def after_flush(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_flush(self, params: Sequence[torch.Tensor]) -> None:
         """Called after the update of a flushed window (every rank calls it)."""
 
     def restart(self) -> None:

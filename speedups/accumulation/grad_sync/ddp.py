@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -39,12 +40,12 @@ class DDPSync(DataParallelSync):
         self.find_unused = bool(getattr(model, "find_unused_parameters", False))
         self.used: dict[int, list[bool]] = {}  # id(param) -> [really got a gradient], after a flush
         self.handles: list[Any] = []
-        self.stale: list[torch.nn.Parameter] = []  # had a gradient in the flushed window, on this rank
+        self.stale: list[torch.Tensor] = []  # had a gradient in the flushed window, on this rank
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         return NULL_CONTEXT if boundary else self.model.no_sync()
 
-    def _got_grad(self, p: torch.nn.Parameter) -> bool:
+    def _got_grad(self, p: torch.Tensor) -> bool:
         cell = self.used.get(id(p))
         return p.grad is not None if cell is None else cell[0]
 
@@ -54,7 +55,7 @@ class DDPSync(DataParallelSync):
         self.handles, self.used = [], {}
 
     def sync_window(
-        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
+        self, params: Sequence[torch.Tensor], local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         """Sum the gradients and the item count over the ranks, as DDP's own sync would.
 
@@ -63,7 +64,7 @@ class DDPSync(DataParallelSync):
         ``grad=None``, exactly as DDP leaves a parameter no rank used (so Adam does not move it). The others
         are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
         """
-        params = _params(optimizer)
+        params = _trainable(params)
         device = params[0].device if params else torch.device("cpu")
         got = [self._got_grad(p) for p in params]
         self._forget()
@@ -73,7 +74,7 @@ class DDPSync(DataParallelSync):
         head = flags.to(device) if count is None else torch.cat([flags.to(device), count.reshape(1)])
         dist.all_reduce(head, group=self.group)
         anywhere = head[: len(params)].tolist()  # host sync (once per flush, never on the hot path)
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for p, used in zip(params, anywhere, strict=True):
             if not used:
                 p.grad = None  # no rank has a gradient for it: left None, as DDP leaves it
@@ -93,7 +94,7 @@ class DDPSync(DataParallelSync):
                 offset += size
         return None if count is None else head[len(params)]
 
-    def after_flush(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_flush(self, params: Sequence[torch.Tensor]) -> None:
         """Give DDP's still-"used" parameters zero gradients; note which really get one until the update."""
         stale, self.stale = self.stale, []
         if not self.find_unused:
@@ -101,16 +102,16 @@ class DDPSync(DataParallelSync):
         for p in stale:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for p in _params(optimizer):
+        for p in _trainable(params):
             cell = [False]
             self.used[id(p)] = cell
             self.handles.append(p.register_hook(functools.partial(_note_used, cell)))
 
-    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_update(self, params: Sequence[torch.Tensor]) -> None:
         """After a flush: drop (to None) the gradients of parameters no rank used in this window."""
         if not self.used:
             return
-        params = _params(optimizer)
+        params = _trainable(params)
         device = params[0].device if params else torch.device("cpu")
         flags = torch.tensor([self._got_grad(p) for p in params], dtype=count_dtype(device)).to(device)
         self._forget()
@@ -124,10 +125,9 @@ class DDPSync(DataParallelSync):
         self.stale = []
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """The distinct parameters of ``optimizer`` that require grad, in param-group order."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    return list({id(p): p for p in params}.values())
+def _trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct ``params`` that require grad, in their order."""
+    return list({id(p): p for p in params if p.requires_grad}.values())
 
 
 def _note_used(cell: list[bool], grad: torch.Tensor) -> None:

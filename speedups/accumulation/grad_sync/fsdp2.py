@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -31,7 +32,7 @@ class FSDP2Sync(DataParallelSync):
         return NULL_CONTEXT
 
     def sync_window(
-        self, optimizer: torch.optim.Optimizer, local_count: LocalCount, pending: int, every: int
+        self, params: Sequence[torch.Tensor], local_count: LocalCount, pending: int, every: int
     ) -> torch.Tensor | None:
         raise SpeedupsError(
             f"accumulate(...).flush(): {pending} micro-steps are pending on an FSDP2 model whose "
