@@ -3,7 +3,7 @@
 Composable decorators and context managers, one folder (or module) per tip; this file only re-exports them.
 """
 
-from speedups.accumulation import accumulate
+from speedups.accumulation import UpdateRecord, accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import load_checkpoint, save_checkpoint
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
@@ -35,6 +35,7 @@ __all__ = [
     "SpeedupsError",
     "SpeedupsWarning",
     "StepProfiler",
+    "UpdateRecord",
     "__version__",
     "accumulate",
     "accumulation_plan",

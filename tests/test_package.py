@@ -26,6 +26,7 @@ def test_public_names_are_pinned() -> None:
             "SpeedupsError",
             "SpeedupsWarning",
             "StepProfiler",
+            "UpdateRecord",
             "__version__",
             "accumulate",
             "accumulation_plan",

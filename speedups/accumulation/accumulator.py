@@ -21,6 +21,7 @@ import functools
 import math
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal, TypeVar
@@ -116,7 +117,8 @@ class Accumulator:
         self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
         self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
         self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
-        self.hooks: dict[int, Callable[[UpdateRecord], Any]] = {}  # on_update hooks, by handle id
+        # on_update hooks by handle id: an OrderedDict, as torch's (a RemovableHandle holds it weakly)
+        self.hooks: OrderedDict[int, Callable[[UpdateRecord], Any]] = OrderedDict()
         self.window_log: list[tuple[torch.Tensor, Any]] = []  # per call (loss or loss * items, items)
         self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
         self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
@@ -618,13 +620,13 @@ class Accumulator:
         if self.warned_zero_grad:
             return
         self.warned_zero_grad = True
-        warnings.warn(  # stacklevel 4: here, __call__, the wrapt wrapper, the caller of the step
+        warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
             f"accumulate: the gradients of the open accumulation window ({self.pending} of {self.every} "
             f"micro-steps) were set to None before micro-step {self.step + 1}: `optimizer.zero_grad()` or "
             f"`model.zero_grad()` is still in the loop, so the window lost what it had accumulated. Fix: "
             f"remove the zero_grad() call; @accumulate zeroes the gradients after each optimizer step.",
             SpeedupsWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
 
     def warn_hand_step(self) -> None:

@@ -357,7 +357,7 @@ def test_bad_every_is_rejected_at_decoration(every: object, error: type, pattern
 def test_bad_arguments_are_rejected_at_decoration() -> None:
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = r"optimizer=.*expected a torch.optim.Optimizer or a list of them, got a list of Parameter\. Build"
+    expected = r"optimizer=.*expected a torch.optim.Optimizer or a list of them, got a list of Parameter\. B"
     with pytest.raises(TypeError, match=expected):
         accumulate(4, list(model.parameters()))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"scheduler=.*step\(\)"):
