@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpu_has_native_bf16
-from speedups._helpers.stepping import apply_update, check_max_grad_norm, current_step, params_of
+from speedups._helpers.step_context import apply_update, check_max_grad_norm, current_step, params_of
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 

@@ -46,8 +46,11 @@ def distances(model: Any, ref: Any) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
 
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    def flat(module: Any) -> torch.Tensor:  # FSDP2 parameters are DTensors: compare them whole
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]
+        return torch.cat([p.detach().reshape(-1) for p in full])
+
+    params, ref_params = flat(model), flat(ref)
     gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
     return (params - ref_params).abs().max().item(), (gathered[0] - gathered[1]).abs().max().item()

@@ -3,7 +3,7 @@
 ``env`` and ``environments`` (which process am I, which device is mine: one class per launch style),
 ``validate`` (argument checks), ``tree`` (nested containers), ``moving`` (one leaf to a device), ``rng``
 (global RNG states), ``hardware`` (CPU features and counts), ``oom`` (out of memory), ``wrappers`` (DDP,
-DataParallel and ``torch.compile`` unwrapped), ``stepping`` (the optimizer update a step and
+DataParallel and ``torch.compile`` unwrapped), ``step_context`` (the optimizer update a step and
 ``mixed_precision`` share), ``compat`` (torch's private APIs, in one place).
 """
 

@@ -75,24 +75,24 @@ def rank(env: Mapping[str, str] | None = None) -> int:
     """Return this process's global rank (0 in a single-process run)."""
     if env is None and pg_ready():
         return int(torch.distributed.get_rank())
-    return detect(env).rank()
+    return detect(env).values()[0]
 
 
 def world_size(env: Mapping[str, str] | None = None) -> int:
     """Return the number of processes in the job (1 in a single-process run)."""
     if env is None and pg_ready():
         return int(torch.distributed.get_world_size())
-    return detect(env).world_size()
+    return detect(env).values()[2]
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int:
     """Return this process's rank on its node (0 without a launcher): never the global rank."""
-    return detect(env).local_rank()
+    return detect(env).values()[1]
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Return the number of processes on this node (1 in a single-process run)."""
-    return detect(env).local_world_size()
+    return detect(env).values()[3]
 
 
 def is_distributed(env: Mapping[str, str] | None = None) -> bool:
@@ -110,7 +110,9 @@ def cuda_index(env: Mapping[str, str] | None = None, *, count: int | None = None
     Raises:
         SpeedupsError: under torchrun, ``LOCAL_RANK`` names a GPU this process cannot see.
     """
-    return detect(env).cuda_index(torch.cuda.device_count() if count is None else count)
+    environment = detect(env)
+    environment.values()  # a malformed launcher variable is an error here too, not a silent 0
+    return environment.cuda_index(torch.cuda.device_count() if count is None else count)
 
 
 def device(env: Mapping[str, str] | None = None) -> torch.device:

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from speedups._helpers.stepping import apply_update, current_step, params_of
+from speedups._helpers.step_context import apply_update, current_step, params_of
 from speedups._helpers.validate import short
 from speedups.accumulation.checks import (
     check_outer_autocast,
@@ -42,14 +42,13 @@ from speedups.accumulation.grad_sync import GradSync, SyncKind, count_dtype
 from speedups.accumulation.micro_batching import MicroBatcher
 from speedups.accumulation.output import as_loss_and_items, result_of
 from speedups.accumulation.update_record import UpdateRecord
-from speedups.accumulation.zero_items import GradMask, keep_of
+from speedups.accumulation.zero_items import GradMask, Keep, keep_of
 from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["Accumulator"]
 
 T = TypeVar("T")
-Keep = Literal[False] | torch.Tensor | None  # which gradients a micro-step keeps (see .zero_items)
 
 
 class _Mode(enum.Enum):
@@ -114,6 +113,7 @@ class Accumulator:
         self.warned_hand_step = False
         self.micro = micro  # None: every call is one micro-step
         self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
+        self.closes_epoch = False  # the current call is the last of a sized epoch() pass (FSDP2 syncs it)
         self.resumed_in_epoch = False  # the restored window was saved inside an epoch() pass
         self.restored_scaler: dict[str, Any] | None = None  # a loaded scaler state, for the scaler to come
         self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
@@ -158,7 +158,7 @@ class Accumulator:
             return self._call_micro(self.micro, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
-        ctx = self.sync.micro_step(boundary)
+        ctx = self.sync.micro_step(boundary or self.closes_epoch)
         token = current_step.set(self)
         try:
             with ctx:
@@ -209,6 +209,10 @@ class Accumulator:
             loss, n, out = micro.run(self, wrapped, args, kwargs, split)
         finally:
             current_step.reset(token)
+        if boundary and n is not None and self.sync.kind is SyncKind.FSDP2 and self.sync.world > 1:
+            count = self._local_count(loss.device)  # the window's items on every rank (DDP sums at its flush)
+            self.sync.reduce_count(count).wait()
+            self.total_device, self.total_host = count, 0.0
         if self.check_losses:
             self.losses.append(loss)
         self.step += 1
@@ -221,7 +225,7 @@ class Accumulator:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
             else:
-                self._update(synced=True)
+                self._update(synced=True, depth=2)  # here, then __call__
         return result_of(out, loss, n)
 
     # ------------------------------------------------------- what the micro-batcher uses (MicroBatchHost)
@@ -241,9 +245,14 @@ class Accumulator:
         self._backward(target, keep, scale)
         return keep
 
-    def unsynced(self) -> AbstractContextManager[Any]:
-        """The context micro-batches run in: no gradient sync (a boundary call reduces once, after them)."""
-        return self.sync.micro_step(False)
+    def piece_context(self, last: bool) -> AbstractContextManager[Any]:
+        """The context one micro-batch runs in: gradient sync only where its strategy needs it (FSDP2: the
+        last micro-batch of a boundary call; DDP: never, the boundary call reduces once after them)."""
+        return self.sync.piece_step(self.is_boundary or self.closes_epoch, last)
+
+    def retry_allowed(self, backwards: int) -> bool:
+        """Whether a call that ran out of memory may run again at a smaller size (see ``GradSync``)."""
+        return self.sync.retry_allowed(backwards)
 
     def trainable(self) -> list[torch.Tensor]:
         """The optimizers' parameters, in optimizer then param-group order."""
@@ -364,14 +373,17 @@ class Accumulator:
             return True
         return bool((self.total_device + self.total_host > 0).item())  # host-device sync, once per step
 
-    def _update(self, synced: bool) -> None:
+    def _update(self, synced: bool, depth: int = 1) -> None:
+        """Apply the window (see ``apply_update``). ``depth``: the frames between this call and the user's
+        code, for the warnings (1 from ``__call__``; 2 from ``flush``, through ``Step.flush`` or ``epoch``).
+        """
         # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
         # its gradients are dropped and the counters say what really happened, then the error propagates.
         record = None
         try:
             if self.mode == _ITEMS and not self._has_items():
                 self.last_step_skipped = True
-                warn_skipped(self.step, empty=True)
+                warn_skipped(self.step, empty=True, stacklevel=depth + 3)
                 return
             factor = self._factor(synced)
             lrs = tuple(g["lr"] for opt in self.optimizers for g in opt.param_groups) if self.hooks else ()
@@ -396,7 +408,7 @@ class Accumulator:
                 if self.hooks:
                     record = self._record(lrs)
             elif self.scaler is None:
-                warn_skipped(self.step, empty=False)
+                warn_skipped(self.step, empty=False, stacklevel=depth + 3)
         finally:
             self._zero_grad()
             self._reset_window()
@@ -498,7 +510,7 @@ class Accumulator:
         if count is not None:
             self.total_device, self.total_host = count, 0.0
         try:
-            self._update(synced=False)
+            self._update(synced=self.sync.flush_averaged, depth=2)
         finally:
             self.sync.after_flush(self.trainable())
 
@@ -512,10 +524,13 @@ class Accumulator:
             self._check_continues(batches)
         self.resumed_in_epoch = False
         self.in_epoch = True
+        size = _length(batches) if self.sync.kind is SyncKind.FSDP2 else None
         try:
-            yield from batches
+            for i, batch in enumerate(batches):
+                self.closes_epoch = i + 1 == size  # its backward must sync: the flush below applies it
+                yield batch
         finally:
-            self.in_epoch = False
+            self.in_epoch = self.closes_epoch = False
         self.flush()
 
     def _check_continues(self, batches: Any) -> None:
@@ -541,7 +556,19 @@ class Accumulator:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The step's state, with a copy of the open window's gradients (one gradient's memory) and scaler."""
+        """The step's state, with a copy of the open window's gradients (one gradient's memory) and scaler.
+
+        Raises:
+            SpeedupsError: an FSDP2 step in the middle of a window (its gradients sit unreduced in FSDP2's own
+                buffers, which no public API reads): nothing of a checkpoint is written then.
+        """
+        if self.pending and self.sync.kind is SyncKind.FSDP2:
+            raise SpeedupsError(
+                f"accumulate(...).state_dict(): {self.pending} of {self.every} micro-steps of a window are "
+                f"pending on an FSDP2 model, whose unreduced gradients no public API can read or restore, so "
+                f"the checkpoint could not resume this window. Save at a boundary: `if train_step.pending == "
+                f"0: save_checkpoint(...)` (or after train_step.epoch(loader) ends)."
+            )
         grads = [None if p.grad is None else p.grad.detach().clone() for p in self.trainable()]
         return {
             "every": self.every,
@@ -643,6 +670,14 @@ class Accumulator:
             SpeedupsWarning,
             stacklevel=4,
         )
+
+
+def _length(batches: Any) -> int | None:
+    """``len(batches)``, or None for an iterable without a length (a generator, an iterable dataset's)."""
+    try:
+        return len(batches)
+    except TypeError:
+        return None
 
 
 def _on_optimizer_step(owner: weakref.ref[Accumulator], optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from speedups._helpers import env, validate
-from speedups._helpers.stepping import check_max_grad_norm
+from speedups._helpers.step_context import check_max_grad_norm
 from speedups._helpers.validate import short
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -293,7 +293,7 @@ def check_outer_autocast(device_type: str) -> None:
         )
 
 
-def warn_skipped(step: int, *, empty: bool) -> None:
+def warn_skipped(step: int, *, empty: bool, stacklevel: int) -> None:
     """Warn that the window ending at micro-step ``step`` was not applied: it held 0 items, or NaN/inf."""
     if empty:
         why = (
@@ -306,5 +306,5 @@ def warn_skipped(step: int, *, empty: bool) -> None:
             "scheduler step were skipped and the gradients dropped. Lower the learning rate or clip "
             "(max_grad_norm=1.0)."
         )
-    # stacklevel 5: here, _update, __call__ (or flush), the wrapt wrapper, the caller of the step
-    warnings.warn(f"accumulate: the window ending at micro-step {step} {why}", SpeedupsWarning, stacklevel=5)
+    message = f"accumulate: the window ending at micro-step {step} {why}"
+    warnings.warn(message, SpeedupsWarning, stacklevel=stacklevel)

@@ -96,7 +96,7 @@ def accumulate(
     every, optimizers, schedulers, max_grad_norm = check_arguments(
         every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
     )
-    check_micro_batching(micro_batch_size, split, grad_sync_for(model).kind, every)
+    check_micro_batching(micro_batch_size, split, every)
 
     def decorator(fn: F) -> F:
         if isinstance(fn, type) or not callable(fn):

@@ -18,7 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GradMask", "keep_of"]
+__all__ = ["GradMask", "Keep", "keep_of"]
+
+Keep = Literal[False] | torch.Tensor | None
+"""Which gradients a micro-step keeps: None all, False none, a 0-dim bool tensor where it is True."""
 
 
 class GradMask:

@@ -131,18 +131,18 @@ def read(path: Path, said: str) -> Contents:
         )
     meta = payload.get(META)
     if isinstance(meta, dict) and meta.get("format") == FORMAT:
-        objects, rng = meta.get("objects"), meta.get("rng")
+        objects, states = meta.get("objects"), meta.get("rng")
         if not (isinstance(objects, dict) and all(isinstance(v, str) for v in objects.values())) or not (
-            rng is None or (isinstance(rng, list) and all(isinstance(r, dict) for r in rng))
+            states is None or (isinstance(states, list) and all(isinstance(r, dict) for r in states))
         ):
             raise SpeedupsError(
                 f"{said}: its {META!r} entry is damaged (expected 'objects' a dict of class names and "
-                f"'rng' a list of per-rank dicts; got {type(objects).__name__} and {type(rng).__name__}). "
+                f"'rng' a list of per-rank dicts; got {type(objects).__name__} and {type(states).__name__}). "
                 f"Resume from an earlier checkpoint, or load its entries yourself with "
                 f"torch.load(path, weights_only=True)."
             )
         entries = {k: v for k, v in payload.items() if k != META}
-        return Contents(entries, dict(objects), rng, meta.get("world_size"))
+        return Contents(entries, dict(objects), states, meta.get("world_size"))
     if payload.get("format") == _LEGACY and {"objects", "plain", "rng"} <= set(payload):
         objects = {name: "" for name in payload["objects"]}  # class names were not recorded then
         entries = {**payload["plain"], **payload["objects"]}

@@ -22,14 +22,19 @@ def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
 
     fsdp = fsdp_type()
     models: list[nn.Module] = [o for o in objects.values() if fsdp is not None and isinstance(o, fsdp)]  # type: ignore[misc]
-    out: dict[str, Any] = {}
+    owners: dict[str, nn.Module] = {}
+    for name, obj in objects.items():
+        owner = _owner(obj, models) if isinstance(obj, torch.optim.Optimizer) else None
+        if owner is not None:
+            owners[name] = owner
+    # The other objects first: one that refuses (an @accumulate step mid-window) raises before torch's
+    # get_optimizer_state_dict initialises an empty optimizer state with a step of zero gradients.
+    out = {name: o.state_dict() for name, o in objects.items() if o not in models and name not in owners}
     for name, obj in objects.items():
         if obj in models:
             out[name] = get_model_state_dict(obj)
-        elif isinstance(obj, torch.optim.Optimizer) and (owner := _owner(obj, models)) is not None:
-            out[name] = get_optimizer_state_dict(owner, obj)
-        else:
-            out[name] = obj.state_dict()
+        elif name in owners:
+            out[name] = get_optimizer_state_dict(owners[name], obj)
     return out
 
 

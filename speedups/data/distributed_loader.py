@@ -69,10 +69,22 @@ class DistributedLoader(DataLoader):
         return int(self.batch_sampler.batch_size)  # type: ignore[attr-defined]
 
     def _start_at(self, batches: int) -> None:
-        """Make the sampler's next pass skip the samples of the first ``batches`` batches of its epoch."""
+        """Make the sampler's next pass skip the samples of the first ``batches`` batches of its epoch.
+
+        Raises:
+            SpeedupsError: a mid-epoch position, and a sampler that cannot start mid-epoch (a loader made
+                as ``DistributedLoader(..., sampler=DistributedSampler(...))``, not by ``distributed()``).
+        """
         sampler = self.distributed_sampler
-        assert isinstance(sampler, RankSampler)  # distributed() builds every DistributedLoader with one
-        sampler.start_at(batches * self._batch_size())
+        if isinstance(sampler, RankSampler):
+            sampler.start_at(batches * self._batch_size())
+        elif batches:
+            raise SpeedupsError(
+                f"DistributedLoader: resuming {batches} batches into an epoch needs the sampler "
+                f"distributed() builds, but this loader's sampler is a {type(sampler).__name__}, which "
+                f"always starts an epoch at its beginning. Build the loader with "
+                f"speedups.distributed(DataLoader(...))."
+            )
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` from its start (each later one then advances by 1)."""

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from speedups._helpers import env
 from speedups._helpers.tree import tree_map
+from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError
 
 __all__ = ["gather"]
@@ -96,8 +97,6 @@ def _tensor(leaf: Any) -> torch.Tensor:
 
 
 def _indices(loader: DataLoader, n: int) -> torch.Tensor:
-    from speedups.data.distributed_loader import DistributedLoader
-
     if not isinstance(loader, DistributedLoader):
         raise TypeError(
             f"gather(x, loader={type(loader).__name__}): expected the loader made by distributed(...) that "

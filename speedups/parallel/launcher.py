@@ -25,6 +25,7 @@ import torch
 from speedups._helpers import env, validate
 from speedups._helpers.environments import detect
 from speedups.errors import SpeedupsError
+from speedups.parallel.process_group import destroy_distributed, init_distributed
 
 __all__ = ["launch"]
 
@@ -183,8 +184,6 @@ def _run(
 
 def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], report_dir: str) -> Any:
     """Entry point of each process: process group, ``fn``, report a failure for the parent, clean end."""
-    from speedups.parallel.process_group import destroy_distributed, init_distributed
-
     try:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # a forked child keeps the parent's thread pool otherwise

@@ -180,3 +180,12 @@ def _subclasses(cls: type) -> set[type]:
     for sub in cls.__subclasses__():
         found |= {sub, *_subclasses(sub)}
     return found
+
+
+@pytest.mark.parametrize("read", [_env.rank, _env.local_rank, _env.world_size, _env.local_world_size])
+def test_a_malformed_launcher_variable_is_an_error_whichever_value_is_read(read) -> None:
+    bad = {"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
+        read(bad)
+    with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
+        _env.cuda_index(bad, count=1)

@@ -429,6 +429,25 @@ def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
     with pytest.raises(SpeedupsError, match=r"FSDP2 .* drop_last=True"):
         train_step.flush()
     assert train_step.pending == 1
+    with pytest.raises(SpeedupsError, match=r"pending on an FSDP2 model.* Save at a boundary"):
+        train_step.state_dict()  # a mid-window checkpoint could not resume: refused before anything is written
+
+
+def test_fsdp2_epoch_syncs_its_last_call_so_the_short_window_flushes() -> None:
+    X, Y = linear_data()
+    model, opt, ref, ref_opt = twin(FakeFSDP2())
+    train_step = accumulate(4, opt, model=model)(lambda x, y: F.mse_loss(model(x), y))
+    batches = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 24, 4)]  # 6 calls: a window of 4, then 2
+    for x, y in train_step.epoch(batches):
+        train_step(x, y)
+    assert model.sync_calls == [False, True, False, True]  # the 6th call, the epoch's last, synced
+    assert train_step.num_updates == 2 and train_step.pending == 0
+    for start, stop in [(0, 16), (16, 24)]:
+        reference_step(ref_opt, F.mse_loss(ref(X[start:stop]), Y[start:stop]))
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)
+    with pytest.raises(SpeedupsError, match=r"train_step.epoch\(loader\).*a loader with a length"):
+        for x, y in train_step.epoch(iter(batches[:2])):  # no length: its last call cannot be known
+            train_step(x, y)
 
 
 @pytest.mark.slow
@@ -631,3 +650,20 @@ def test_the_guard_goes_with_the_step_and_enabled_false_sets_none() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", SpeedupsWarning)
         opt.step()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_windows_micro_batches_and_short_windows_equal_a_hand_written_fsdp2_loop(tmp_path) -> None:
+    """2 gloo ranks: plain calls, micro_batch_size=2 and "auto", each epoch ending on a flushed short window;
+    a checkpoint taken mid-window is refused before anything is written."""
+    import json
+
+    out = run_torchrun(WORKERS / "fsdp2_accumulate.py", [str(tmp_path)], nproc=2, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("plain", "micro", "auto"):
+            assert result[name]["to_ref"] < 1e-6, (rank, name, result)
+            assert result[name]["between"] == 0.0, (rank, name, result)
+            assert result[name]["refused"] is True, (rank, name, result)

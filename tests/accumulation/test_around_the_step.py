@@ -366,3 +366,19 @@ def test_a_skipped_fp16_step_is_a_skip_for_fused_and_foreach_optimizers(kind: st
         loss = model(torch.randn(8, 4)).float().pow(2).mean() * float("inf")
     amp.backward(loss)
     assert amp.step(opt) is False and amp.last_step_skipped and torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("where", ["call", "flush", "micro-batched call"])
+def test_a_skipped_window_is_warned_at_the_line_of_the_users_loop(where: str) -> None:
+    model, opt, _, _ = twin()
+    micro = 2 if where == "micro-batched call" else None
+    train_step = accumulate(2, opt, skip_nonfinite=True, micro_batch_size=micro)(
+        lambda x: model(x).pow(2).mean() * float("nan")
+    )
+    with pytest.warns(SpeedupsWarning, match="NaN or inf") as record:
+        train_step(torch.ones(4, 3))
+        if where == "flush":
+            train_step.flush()
+        else:
+            train_step(torch.ones(4, 3))
+    assert [w.filename for w in record] == [__file__]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from speedups import DistributedLoader, distributed
+from speedups import DistributedLoader, SpeedupsError, distributed
 
 
 def _flat(loader) -> list[int]:
@@ -194,3 +194,13 @@ def test_adopting_refuses_a_sampler_subclass_or_one_over_another_dataset() -> No
     other = DistributedSampler(list(range(12)), num_replicas=2, rank=0)
     with pytest.raises(ValueError, match=r"covers 12 samples but the loader's dataset has 8"):
         distributed(DataLoader(data, batch_size=2, sampler=other))
+
+
+def test_a_distributed_loader_built_by_hand_iterates_and_refuses_only_a_mid_epoch_resume() -> None:
+    data = list(range(8))
+    loader = DistributedLoader(data, batch_size=2, sampler=DistributedSampler(data, 1, 0, shuffle=False))
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    loader.set_epoch(3)
+    assert len(list(loader)) == 4
+    with pytest.raises(SpeedupsError, match=r"resuming 1 batches into an epoch needs the sampler distributed"):
+        loader.load_state_dict({**loader.state_dict(), "batches": 1})

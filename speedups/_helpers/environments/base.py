@@ -85,6 +85,14 @@ class LaunchEnvironment:
         """The number of processes on this node."""
         return 1
 
+    def values(self) -> tuple[int, int, int, int]:
+        """Rank, local rank, world size and local world size, all read (a malformed one raises).
+
+        Raises:
+            ValueError: a launcher variable is not a whole number (its name and value in the message).
+        """
+        return self.rank(), self.local_rank(), self.world_size(), self.local_world_size()
+
     def states_local_world_size(self) -> bool:
         """Whether the launcher set the local world size (only then can it contradict the local rank)."""
         return False

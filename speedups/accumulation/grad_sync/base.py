@@ -51,6 +51,8 @@ class GradSync:
     """
 
     kind = SyncKind.SINGLE
+    flush_averaged = False
+    """Whether a flushed window's gradients are averaged over the ranks (FSDP2 synced it) or summed."""
 
     def __init__(self, world: int = 1, group: Any = None) -> None:
         self.world = world
@@ -59,6 +61,15 @@ class GradSync:
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         """Return the context a micro-step's forward and backward run in (``boundary``: it ends a window)."""
         return NULL_CONTEXT
+
+    def piece_step(self, boundary: bool, last: bool) -> AbstractContextManager[Any]:
+        """The context one micro-batch of a split call runs in (``last``: the call's last micro-batch)."""
+        return NULL_CONTEXT
+
+    def retry_allowed(self, backwards: int) -> bool:
+        """Whether a split call that ran out of memory after ``backwards`` micro-batch backwards may run
+        again at a smaller size on this rank alone (its gradients put back as they were)."""
+        return True
 
     def reference(self, n: Any) -> Any:
         """The weight reference of a window whose first item count is ``n`` (a number or a 0-dim tensor).

@@ -45,6 +45,9 @@ class DDPSync(DataParallelSync):
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         return NULL_CONTEXT if boundary else self.model.no_sync()
 
+    def piece_step(self, boundary: bool, last: bool) -> AbstractContextManager[Any]:
+        return self.model.no_sync()  # a split call's boundary reduces once, after its last micro-batch
+
     def _got_grad(self, p: torch.Tensor) -> bool:
         cell = self.used.get(id(p))
         return p.grad is not None if cell is None else cell[0]

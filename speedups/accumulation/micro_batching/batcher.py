@@ -16,7 +16,9 @@ window's item counts, drop the window), so the accumulator alone owns its state.
 Data parallel (DDP): every micro-backward runs inside ``no_sync()`` and the boundary call all-reduces the
 gradients once, after its last micro-batch (one flat all-reduce per dtype, like a flushed window). A rank
 that runs out of memory retries alone, before any collective: its peers wait in the all-reduce for the
-length of the retry, never in a mismatched collective, and no agreement collective is needed.
+length of the retry, never in a mismatched collective, and no agreement collective is needed. FSDP2: the
+micro-batches run with gradient sync off but the last of a boundary call; its forward gathers parameters
+with collectives, so ``"auto"`` cannot retry one rank alone (the error says so).
 """
 
 from __future__ import annotations
@@ -25,22 +27,20 @@ import gc
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from speedups._helpers.oom import is_out_of_memory
 from speedups._helpers.tree import tree_map
 from speedups._helpers.validate import short
-from speedups.accumulation.grad_sync import SyncKind
 from speedups.accumulation.micro_batching.splitting import Piece, Split, custom_split, split_call
 from speedups.accumulation.output import merge_extras
-from speedups.errors import SpeedupsError
+from speedups.accumulation.zero_items import Keep
 
 __all__ = ["AUTO", "MicroBatchHost", "MicroBatcher", "check_micro_batching"]
 
 AUTO = "auto"
-Keep = Literal[False] | torch.Tensor | None  # which gradients a micro-batch keeps (see ..zero_items)
 
 
 class MicroBatchHost(Protocol):
@@ -55,8 +55,12 @@ class MicroBatchHost(Protocol):
         return which of its gradients count."""
         ...
 
-    def unsynced(self) -> AbstractContextManager[Any]:
-        """The context the micro-batches run in (DDP: ``no_sync()``; the boundary reduces once after)."""
+    def piece_context(self, last: bool) -> AbstractContextManager[Any]:
+        """The context one micro-batch runs in (``last``: the call's last; DDP: ``no_sync()`` for all)."""
+        ...
+
+    def retry_allowed(self, backwards: int) -> bool:
+        """Whether the call may run again at a smaller size after ``backwards`` micro-batch backwards."""
         ...
 
     def trainable(self) -> list[torch.Tensor]:
@@ -76,13 +80,12 @@ class MicroBatchHost(Protocol):
         ...
 
 
-def check_micro_batching(micro_batch_size: Any, split: Any, kind: SyncKind, every: int) -> None:
+def check_micro_batching(micro_batch_size: Any, split: Any, every: int) -> None:
     """Check ``micro_batch_size=`` and ``split=`` of ``accumulate(every, ...)`` (None: no micro-batching).
 
     Raises:
         TypeError: ``micro_batch_size`` neither None, an int nor ``"auto"``; ``split`` not callable.
         ValueError: ``micro_batch_size < 1``, another string, or ``split=`` without ``micro_batch_size=``.
-        SpeedupsError: an FSDP2 model (micro-batching is DDP and single-process only for now).
     """
     call = f"accumulate({every}, optimizer, micro_batch_size={short(micro_batch_size)}, ...)"
     fix = 'Write micro_batch_size=8 (rows per micro-batch) or micro_batch_size="auto".'
@@ -106,11 +109,6 @@ def check_micro_batching(micro_batch_size: Any, split: Any, kind: SyncKind, ever
         raise TypeError(
             f"{call}: split={short(split)} is not callable. Pass a function "
             f"split(args, kwargs, micro_batch_size) -> [(args, kwargs), ...], or leave split=None."
-        )
-    if kind is SyncKind.FSDP2:
-        raise SpeedupsError(
-            f"{call}: micro-batching does not support FSDP2 models yet (its gradients cannot be reduced "
-            f"after unsynchronised backwards). Use micro_batch_size=None and accumulate more calls instead."
         )
 
 
@@ -190,11 +188,18 @@ class MicroBatcher:
         while True:
             saved = _set_aside(params) if self.auto else None
             try:
-                with host.unsynced():
-                    result = self._run(host, wrapped, rows, pieces)
+                result = self._run(host, wrapped, rows, pieces)
                 break
             except Exception as err:
                 host.restore_counts(window)
+                if saved is not None and is_out_of_memory(err) and not host.retry_allowed(self.backwards):
+                    _put_back(params, saved)  # what can be put back; the rest is FSDP2's
+                    saved = None
+                    err.add_note(  # type: ignore[attr-defined]
+                        "speedups.accumulate: micro_batch_size='auto' cannot retry this call: with FSDP2 the "
+                        "other ranks go on with their collectives, and gradients of a backward run with sync "
+                        "off sit in FSDP2's own buffers. Give a fixed micro_batch_size that fits."
+                    )
                 if saved is None:
                     if self.backwards:  # gradients of part of this call are in .grad: none can be trusted
                         dropped = host.drop_window()
@@ -229,34 +234,36 @@ class MicroBatcher:
         n: Any = None
         self.backwards = 0
         for i, (piece_rows, piece_args, piece_kwargs) in enumerate(pieces):
-            out = wrapped(*piece_args, **piece_kwargs)
-            loss, n = host.parse(out)
-            detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
-            if n is None:  # a mean loss: the whole batch's mean weighs each micro-batch by its rows
-                if single:
-                    weight = 1.0
-                elif piece_rows is None or not rows:
-                    raise ValueError(
-                        "accumulate(..., split=...): the micro-batches' rows cannot be counted (no tensor "
-                        "with a dim 0), so a bare mean loss cannot be weighed. Return (loss, num_items)."
-                    )
+            with host.piece_context(last=i + 1 == len(pieces)):  # forward and backward inside
+                out = wrapped(*piece_args, **piece_kwargs)
+                loss, n = host.parse(out)
+                detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
+                if n is None:  # a mean loss: the whole batch's mean weighs each micro-batch by its rows
+                    if single:
+                        weight = 1.0
+                    elif piece_rows is None or not rows:
+                        raise ValueError(
+                            "accumulate(..., split=...): the micro-batches' rows cannot be counted (no "
+                            "tensor with a dim 0), so a bare mean loss cannot be weighed. Return (loss, "
+                            "num_items)."
+                        )
+                    else:
+                        weight = piece_rows / rows
+                    host.backward_micro(loss, None, weight, first_piece=i == 0)
+                    if single:
+                        total = detached
+                    elif total is None:
+                        total = detached * weight
+                    else:
+                        total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
                 else:
-                    weight = piece_rows / rows
-                host.backward_micro(loss, None, weight, first_piece=i == 0)
-                if single:
-                    total = detached
-                elif total is None:
-                    total = detached * weight
-                else:
-                    total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
-            else:
-                # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
-                keep = host.backward_micro(loss, n, 1.0, first_piece=i == 0)
-                part = detached if single else detached * n
-                if not single and keep is not None:
-                    part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
-                total = part if total is None else total + part
-                count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
+                    # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
+                    keep = host.backward_micro(loss, n, 1.0, first_piece=i == 0)
+                    part = detached if single else detached * n
+                    if not single and keep is not None:
+                        part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
+                    total = part if total is None else total + part
+                    count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
             self.backwards += 1
             # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
             outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
