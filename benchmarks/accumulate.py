@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
-from speedups.accumulation import accumulate
+from speedups.accumulation import UpdateRecord, accumulate
 
 EVERY = 4
 
@@ -46,13 +46,21 @@ def hand_written(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[
 
 
 def with_accumulate(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], skip_nonfinite: bool = False
+    batches: list[tuple[torch.Tensor, torch.Tensor]], skip_nonfinite: bool = False, hook: bool = False
 ) -> Callable[[], None]:
     model, opt = _setup()
 
     @accumulate(EVERY, opt, skip_nonfinite=skip_nonfinite)
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
+
+    if hook:  # what a loop that logs per update registers: it keeps the latest record, reading nothing
+        latest: list[UpdateRecord] = []
+
+        def keep(record: UpdateRecord) -> None:
+            latest[:] = [record]
+
+        train_step.on_update(keep)
 
     def epoch() -> None:
         for x, y in batches:
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "hand-written": hand_written(batches),
         "@accumulate": with_accumulate(batches),
         "@accumulate(skip_nonfinite=True)": with_accumulate(batches, skip_nonfinite=True),
+        "@accumulate + on_update hook": with_accumulate(batches, hook=True),
     }
     skipped = []
     for name, module, make in [

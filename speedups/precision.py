@@ -295,9 +295,13 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 "`amp.backward(loss)`, then call amp.step(optimizer)."
             )
         self._scaled_backwards = 0
-        params = params_of((optimizer,))
         stepped, _, probe = apply_update(
-            (optimizer,), self.scaler, max_grad_norm, 1.0, skip_nonfinite=False, params=params
+            (optimizer,),
+            self.scaler,
+            max_grad_norm,
+            1.0,
+            skip_nonfinite=False,
+            params=lambda: params_of((optimizer,)),
         )
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)

@@ -10,7 +10,7 @@ unscale once, normalise, clip, step or skip.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Protocol
 
@@ -86,13 +86,14 @@ def apply_update(
     factor: float | torch.Tensor,
     *,
     skip_nonfinite: bool,
-    params: Sequence[torch.Tensor],
+    params: Callable[[], Sequence[torch.Tensor]],
     probe: torch.Tensor | None = None,
 ) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
     """Unscale once per optimizer, multiply the gradients by ``factor``, clip, then step them all or none.
 
-    ``params`` are the parameters of ``optimizers`` in the order the gradient norm sums them (the model's
-    order when known: ``clip_grad_norm_(model.parameters())`` gives the same norm bit for bit). With a
+    ``params()`` gives the parameters of ``optimizers`` in the order the gradient norm sums them (called only
+    when the gradients are touched: the cost of a plain update stays the optimizer's; the model's order when
+    known: ``clip_grad_norm_(model.parameters())`` gives the same norm bit for bit). With a
     ``scaler`` the gradients are unscaled (``GradScaler.unscale_`` per optimizer) and the norm decides: if it
     is not finite no optimizer steps (one window, one decision, also for fused optimizers, whose own skip
     GradScaler cannot report), and ``GradScaler.update`` backs the scale off. Without a scaler and with
@@ -109,13 +110,13 @@ def apply_update(
         for optimizer in optimizers:
             scaler.unscale_(optimizer)
     if not isinstance(factor, float) or factor != 1.0:
-        for g in grads_of(params):
+        for g in grads_of(params()):
             g.mul_(factor)
     norm: torch.Tensor | None = None
     if max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in params() if p.grad is not None], max_grad_norm)
     elif scaler is not None or (skip_nonfinite and probe is None):
-        norm = total_norm(grads_of(params))
+        norm = total_norm(grads_of(params()))
     decider = norm if norm is not None else probe
     checking = scaler is not None or skip_nonfinite
     # Reading the decision is a host-device sync: the one of this update.

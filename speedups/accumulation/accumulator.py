@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 import warnings
 import weakref
 from collections import OrderedDict
@@ -123,7 +122,8 @@ class Accumulator:
         self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
         self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
         self.warned_zero_grad = False
-        self._order: tuple[int, list[torch.Tensor]] = (-1, [])  # (parameter count, parameters in norm order)
+        # The optimizers' parameters (and in the norm's order), made again only when a param group is added.
+        self._params: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
             for optimizer in optimizers:
@@ -152,7 +152,8 @@ class Accumulator:
         """The wrapt wrapper: one micro-step."""
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
-        if self.pending and self.sentinel is not None and self.sentinel.grad is None:
+        sentinel = self.sentinel
+        if sentinel is not None and sentinel.grad is None and self.pending:  # zero_grad() by hand
             self._warn_zero_grad()
         if self.micro is not None:  # the call's batch split into micro-batches
             return self._call_micro(self.micro, wrapped, args, kwargs)
@@ -187,14 +188,16 @@ class Accumulator:
         self.step += 1
         self.pending += 1
         if self.hooks:
-            self._log_call(detached, n, keep)
+            if n is None:
+                self.window_log.append((detached, None))
+            else:
+                self._log_call(detached, n, keep)
         if self.sentinel is None:
             self.sentinel = self._with_grad()
         if boundary:
             if work is not None:
                 work.wait()
-            self.sync.before_update(self.trainable())
-            self._update(synced=True)
+            self._update(synced=True, before=True)
         return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
     def _call_micro(
@@ -256,7 +259,23 @@ class Accumulator:
 
     def trainable(self) -> list[torch.Tensor]:
         """The optimizers' parameters, in optimizer then param-group order."""
-        return params_of(self.optimizers)
+        return self._parameters()[0]
+
+    def _parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The optimizers' parameters in their order, and in the order the gradient norm sums them:
+        ``model.parameters()``'s where ``model=`` was given (as ``clip_grad_norm_(model.parameters())``
+        sums), the others after. Cached while no optimizer gains a param group."""
+        shape = [len(opt.param_groups) for opt in self.optimizers]
+        if shape != self._params[0]:
+            params = params_of(self.optimizers)
+            order = params
+            if self.model is not None:
+                ids = {id(p) for p in params}
+                first = [p for p in self.model.parameters() if id(p) in ids]
+                placed = {id(p) for p in first}
+                order = first + [p for p in params if id(p) not in placed]
+            self._params = (shape, params, order)
+        return self._params[1], self._params[2]
 
     def window_counts(self) -> tuple[float, torch.Tensor | None, Any]:
         """The open window's item counts and weight reference."""
@@ -373,20 +392,23 @@ class Accumulator:
             return True
         return bool((self.total_device + self.total_host > 0).item())  # host-device sync, once per step
 
-    def _update(self, synced: bool, depth: int = 1) -> None:
+    def _update(self, synced: bool, depth: int = 1, *, before: bool = False) -> None:
         """Apply the window (see ``apply_update``). ``depth``: the frames between this call and the user's
         code, for the warnings (1 from ``__call__``; 2 from ``flush``, through ``Step.flush`` or ``epoch``).
+        ``before``: tell the gradient sync first (``GradSync.before_update``), as a boundary call does.
         """
         # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
         # its gradients are dropped and the counters say what really happened, then the error propagates.
         record = None
+        if before:
+            self.sync.before_update(self.trainable)
         try:
             if self.mode == _ITEMS and not self._has_items():
                 self.last_step_skipped = True
                 warn_skipped(self.step, empty=True, stacklevel=depth + 3)
                 return
             factor = self._factor(synced)
-            lrs = tuple(g["lr"] for opt in self.optimizers for g in opt.param_groups) if self.hooks else ()
+            lrs = [g["lr"] for opt in self.optimizers for g in opt.param_groups] if self.hooks else None
             self.updating = True  # the optimizer steps below are this step's own: its guard lets them pass
             try:
                 stepped, self.last_grad_norm, self.probe = apply_update(
@@ -395,7 +417,7 @@ class Accumulator:
                     self.max_grad_norm,
                     factor,
                     skip_nonfinite=self.skip_nonfinite,
-                    params=self._norm_order(),
+                    params=self._norm_order,
                     probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
                 )
             finally:
@@ -405,33 +427,25 @@ class Accumulator:
                 self.num_updates += 1
                 for scheduler in self.schedulers:
                     scheduler.step()
-                if self.hooks:
+                if lrs is not None:
                     record = self._record(lrs)
             elif self.scaler is None:
                 warn_skipped(self.step, empty=False, stacklevel=depth + 3)
         finally:
-            self._zero_grad()
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
             self._reset_window()
         if record is not None:
             for hook in list(self.hooks.values()):
                 hook(record)
 
+    def _norm_order(self) -> list[torch.Tensor]:
+        """The parameters in the order the gradient norm sums them (see :meth:`_parameters`)."""
+        return self._parameters()[1]
+
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-
-    def _norm_order(self) -> list[torch.Tensor]:
-        """The optimizers' parameters in the order the gradient norm sums them: ``model.parameters()``'s
-        where ``model=`` was given (as ``clip_grad_norm_(model.parameters())`` does), the rest after."""
-        params = self.trainable()
-        if self.model is None:
-            return params
-        if self._order[0] != len(params):  # computed again only when the optimizers' parameters change
-            ids = {id(p) for p in params}
-            first = [p for p in self.model.parameters() if id(p) in ids]
-            placed = {id(p) for p in first}
-            self._order = (len(params), first + [p for p in params if id(p) not in placed])
-        return self._order[1]
 
     def _reset_window(self) -> None:
         self.pending = 0
@@ -445,8 +459,10 @@ class Accumulator:
 
     def _with_grad(self) -> torch.Tensor | None:
         """A parameter that has a gradient now (the zero_grad watch), or None."""
-        return next((p for opt in self.optimizers for g in opt.param_groups for p in g["params"]
-                     if p.grad is not None), None)  # fmt: skip
+        for p in self.trainable():
+            if p.grad is not None:
+                return p
+        return None
 
     # ------------------------------------------------------------------------------- per-update hooks
     def on_update(self, fn: Callable[[UpdateRecord], Any]) -> RemovableHandle:
@@ -467,39 +483,21 @@ class Accumulator:
         elif keep is False:
             self.window_log.append((torch.zeros_like(loss), n))
         else:
-            part = loss * (n.detach() if isinstance(n, torch.Tensor) else n)
+            n = n.detach() if isinstance(n, torch.Tensor) else n
+            part = loss * n
             self.window_log.append((part if keep is None else torch.where(keep, part, 0.0), n))
 
-    def _record(self, lrs: tuple[Any, ...]) -> UpdateRecord:
-        """The record of the update just taken (before the window is reset)."""
-        log = self.window_log
-        loss: torch.Tensor | None = None
-        if log and len(log) == self.pending:  # the whole window was logged
-            total = log[0][0]
-            for part, _ in log[1:]:
-                total = total + part
-            if self.mode is _ITEMS:  # the items' mean; NaN for a window of no items
-                count: Any = 0
-                for _, n in log:
-                    count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
-                if isinstance(count, torch.Tensor):
-                    loss = torch.where(count > 0, total / count, math.nan).to(total.dtype)
-                else:
-                    loss = total / count if count else torch.full_like(total, math.nan)
-            else:
-                loss = total / len(log)
-        items = None
+    def _record(self, lrs: list[Any]) -> UpdateRecord:
+        """The record of the update just taken (before the window is reset); its loss is made when read."""
+        items: Any = None
         if self.mode is _ITEMS:
-            items = self.total_host if self.total_device is None else self.total_device + self.total_host
+            items = self.total_host
+            if self.total_device is not None:
+                items = self.total_device if not self.total_host else self.total_device + self.total_host
         return UpdateRecord(
-            step=self.step,
-            num_updates=self.num_updates,
-            micro_steps=self.pending,
-            loss=loss,
-            num_items=items,
-            grad_norm=self.last_grad_norm,
-            lrs=lrs,
-        )
+            self.step, self.num_updates, self.pending, items, self.last_grad_norm, lrs, self.window_log,
+            self.mode is _ITEMS,
+        )  # fmt: skip
 
     def flush(self) -> None:
         if not self.pending:
@@ -683,5 +681,5 @@ def _length(batches: Any) -> int | None:
 def _on_optimizer_step(owner: weakref.ref[Accumulator], optimizer: Any, args: Any, kwargs: Any) -> None:
     """The optimizer's step pre-hook: it holds the step weakly and goes when the step is collected."""
     acc = owner()
-    if acc is not None:
+    if acc is not None and not acc.updating:  # the step's own update: nothing to check
         acc.warn_hand_step()

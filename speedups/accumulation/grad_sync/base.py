@@ -102,8 +102,11 @@ class GradSync:
         """
         return None
 
-    def before_update(self, params: Sequence[torch.Tensor]) -> None:
-        """Called at a boundary, after the gradients were synchronised and before the optimizer update."""
+    def before_update(self, params: Callable[[], Sequence[torch.Tensor]]) -> None:
+        """Called at a boundary, after the gradients were synchronised and before the optimizer update.
+
+        ``params()`` gives the step's parameters (called only when needed: nothing to do costs nothing).
+        """
 
     def after_flush(self, params: Sequence[torch.Tensor]) -> None:
         """Called after the update of a flushed window (every rank calls it)."""

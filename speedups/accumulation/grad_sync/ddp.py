@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -110,16 +110,16 @@ class DDPSync(DataParallelSync):
             self.used[id(p)] = cell
             self.handles.append(p.register_hook(functools.partial(_note_used, cell)))
 
-    def before_update(self, params: Sequence[torch.Tensor]) -> None:
+    def before_update(self, params: Callable[[], Sequence[torch.Tensor]]) -> None:
         """After a flush: drop (to None) the gradients of parameters no rank used in this window."""
         if not self.used:
             return
-        params = _trainable(params)
-        device = params[0].device if params else torch.device("cpu")
-        flags = torch.tensor([self._got_grad(p) for p in params], dtype=count_dtype(device)).to(device)
+        trainable = _trainable(params())
+        device = trainable[0].device if trainable else torch.device("cpu")
+        flags = torch.tensor([self._got_grad(p) for p in trainable], dtype=count_dtype(device)).to(device)
         self._forget()
         dist.all_reduce(flags, group=self.group)  # the one extra collective, in the window after a flush
-        for p, used in zip(params, flags.tolist(), strict=True):
+        for p, used in zip(trainable, flags.tolist(), strict=True):
             if not used:
                 p.grad = None
 
