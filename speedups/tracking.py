@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from speedups._helpers import env, validate
+from speedups._helpers.arrival import arrive
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["LossTracker"]
@@ -213,6 +214,7 @@ class LossTracker:
             vec = torch.tensor([*self._host, float(self._updates)], dtype=torch.float64, device=device)
             if self._state is not None:
                 vec[:3] += self._state.to(device=device, dtype=torch.float64)
+            arrive("LossTracker.compute")  # a read on some ranks only says so, then fails at the timeout
             dist.all_reduce(vec)  # collective: every rank must read
             total, count, nonfinite, updates = vec.tolist()  # the one host-device sync of a read
             return total, count, nonfinite, int(updates)

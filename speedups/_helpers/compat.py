@@ -6,10 +6,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["compiled_inner", "register_load_state_dict_pre_hook", "register_state_dict_post_hook"]
+__all__ = [
+    "compiled_inner",
+    "default_store",
+    "register_load_state_dict_pre_hook",
+    "register_state_dict_post_hook",
+]
 
 
 def register_state_dict_post_hook(
@@ -50,3 +56,17 @@ def compiled_inner(module: object) -> nn.Module | None:
         inner = getattr(module, "_orig_mod", None)
         return inner if isinstance(inner, nn.Module) else None
     return None
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (``torch.distributed.Store``), or None.
+
+    Only the private ``distributed_c10d._get_default_store`` gives it; the group keeps it for its whole life.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    get = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+    try:
+        return None if get is None else get()
+    except (RuntimeError, ValueError):  # a group without a store (fake or custom backends)
+        return None

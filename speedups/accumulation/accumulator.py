@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import warnings
 import weakref
 from collections import OrderedDict
@@ -430,7 +431,8 @@ class Accumulator:
                 if lrs is not None:
                     record = self._record(lrs)
             elif self.scaler is None:
-                warn_skipped(self.step, empty=False, stacklevel=depth + 3)
+                clipping = self.max_grad_norm is not None
+                warn_skipped(self.step, empty=False, stacklevel=depth + 3, clipping=clipping)
         finally:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
@@ -467,7 +469,7 @@ class Accumulator:
     # ------------------------------------------------------------------------------- per-update hooks
     def on_update(self, fn: Callable[[UpdateRecord], Any]) -> RemovableHandle:
         """Call ``fn(record)`` after every optimizer step really taken; return a removable handle."""
-        if not callable(fn):
+        if not callable(fn) or not _takes_one_argument(fn):
             raise TypeError(
                 f"train_step.on_update({short(fn)}): expected a function of one argument, the "
                 f"UpdateRecord. Write train_step.on_update(lambda record: ema.update_parameters(model))."
@@ -647,9 +649,10 @@ class Accumulator:
         self.warned_zero_grad = True
         warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
             f"accumulate: the gradients of the open accumulation window ({self.pending} of {self.every} "
-            f"micro-steps) were set to None before micro-step {self.step + 1}: `optimizer.zero_grad()` or "
-            f"`model.zero_grad()` is still in the loop, so the window lost what it had accumulated. Fix: "
-            f"remove the zero_grad() call; @accumulate zeroes the gradients after each optimizer step.",
+            f"micro-steps) were set to None between the previous call of the step and this one (micro-step "
+            f"{self.step + 1}): `optimizer.zero_grad()` or `model.zero_grad()` is still in the loop, so the "
+            f"window lost what it had accumulated. Fix: remove the zero_grad() call; @accumulate zeroes "
+            f"the gradients after each optimizer step.",
             SpeedupsWarning,
             stacklevel=3,
         )
@@ -663,11 +666,22 @@ class Accumulator:
             f"accumulate: optimizer.step() was called by hand on an optimizer that @accumulate steps "
             f"(after micro-step {self.step}, {self.pending} of {self.every} of the window accumulated), "
             f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
-            f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps on every {self.every}-th "
-            f"call and `train_step.flush()` applies a short last window.",
+            f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps once every {self.every} "
+            f"calls and `train_step.flush()` applies a short last window.",
             SpeedupsWarning,
             stacklevel=4,
         )
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn(record)`` binds (True when its signature cannot be read, as for some builtins)."""
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def _length(batches: Any) -> int | None:

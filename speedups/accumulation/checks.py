@@ -100,8 +100,8 @@ def _optimizers(optimizer: Any, every: int) -> tuple[torch.optim.Optimizer, ...]
         ids = {id(p) for group in opt.param_groups for p in group["params"]}
         if ids & seen:
             raise ValueError(
-                f"optimizer={short(optimizer)}: optimizer {i} ({type(opt).__name__}) holds a parameter an "
-                f"earlier one holds too, so one update would step it twice. Give each parameter to one "
+                f"optimizer=[...]: optimizer[{i}] ({type(opt).__name__}, counted from 0) holds a parameter "
+                f"an earlier one holds too, so one update would step it twice. Give each parameter to one "
                 f"optimizer."
             )
         seen |= ids
@@ -114,6 +114,12 @@ def _schedulers(scheduler: Any, optimizers: tuple[torch.optim.Optimizer, ...], e
         return ()
     given = tuple(scheduler) if isinstance(scheduler, (list, tuple)) else (scheduler,)
     for sched in given:
+        if isinstance(sched, torch.optim.Optimizer):
+            raise TypeError(
+                f"scheduler={short(scheduler)}: holds an optimizer ({type(sched).__name__}), which "
+                f"@accumulate would step twice per update. Pass the optimizers as the second argument, "
+                f"accumulate({every}, [opt_a, opt_b]), and only LR schedulers as scheduler=."
+            )
         if not callable(getattr(sched, "step", None)):
             raise TypeError(
                 f"scheduler={short(sched)}: expected an LR scheduler with a step() method (or a list of "
@@ -293,7 +299,7 @@ def check_outer_autocast(device_type: str) -> None:
         )
 
 
-def warn_skipped(step: int, *, empty: bool, stacklevel: int) -> None:
+def warn_skipped(step: int, *, empty: bool, stacklevel: int, clipping: bool = False) -> None:
     """Warn that the window ending at micro-step ``step`` was not applied: it held 0 items, or NaN/inf."""
     if empty:
         why = (
@@ -303,8 +309,8 @@ def warn_skipped(step: int, *, empty: bool, stacklevel: int) -> None:
     else:
         why = (
             "has NaN or inf gradients (a non-finite loss, or an overflow): the optimizer step and the "
-            "scheduler step were skipped and the gradients dropped. Lower the learning rate or clip "
-            "(max_grad_norm=1.0)."
+            "scheduler step were skipped and the gradients dropped. Lower the learning rate"
+            + ("." if clipping else " or clip (max_grad_norm=1.0).")
         )
     message = f"accumulate: the window ending at micro-step {step} {why}"
     warnings.warn(message, SpeedupsWarning, stacklevel=stacklevel)

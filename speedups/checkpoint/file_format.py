@@ -46,6 +46,7 @@ class Contents:
     objects: dict[str, str] | None  # speedups files: which entries are object states (-> class name)
     rng: list[dict[str, Any]] | None = None  # per rank; None for foreign files
     world_size: int | None = None
+    rng_ranks: list[int] | None = None  # the ranks whose states ``rng`` holds, in order; None: every rank
 
     @property
     def foreign(self) -> bool:
@@ -142,7 +143,15 @@ def read(path: Path, said: str) -> Contents:
                 f"torch.load(path, weights_only=True)."
             )
         entries = {k: v for k, v in payload.items() if k != META}
-        return Contents(entries, dict(objects), states, meta.get("world_size"))
+        ranks = meta.get("rng_ranks")
+        if ranks is not None and not (
+            isinstance(ranks, list) and all(type(r) is int for r in ranks) and len(ranks) == len(states or [])
+        ):
+            raise SpeedupsError(
+                f"{said}: its {META!r} entry is damaged ('rng_ranks' is not a list of ranks, one per saved "
+                f"RNG state). Resume from an earlier checkpoint."
+            )
+        return Contents(entries, dict(objects), states, meta.get("world_size"), ranks)
     if payload.get("format") == _LEGACY and {"objects", "plain", "rng"} <= set(payload):
         objects = {name: "" for name in payload["objects"]}  # class names were not recorded then
         entries = {**payload["plain"], **payload["objects"]}

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import file_format
 from speedups.checkpoint.checks import check_entry, is_checked
@@ -85,6 +86,7 @@ def load_checkpoint(
     if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
         if keys:
             raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
+        arrive("load_checkpoint")  # FSDP2 loads are collective
         return load_sharded(path, objects)
     contents = file_format.read(path, said)
     entries = contents.entries
@@ -97,7 +99,7 @@ def load_checkpoint(
                           classes.get(entry_of[name]))
         for name, obj in objects.items()
     }  # fmt: skip
-    rng = rng_of_this_rank(contents.rng, said)  # checked before any object changes
+    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks)  # checked before any object changes
     _load_all(objects, ready)
     if rng is not None:
         set_rng_states(rng)

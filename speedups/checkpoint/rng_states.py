@@ -28,16 +28,31 @@ def gather_rng() -> list[dict[str, Any]]:
 
 def restore_rng(every: list[dict[str, Any]]) -> None:
     """Restore this rank's states from ``every`` rank's, when the world size is the same."""
-    rng = rng_of_this_rank(every, "load_checkpoint")
+    rng = rng_of_this_rank(every, "load_checkpoint", None)
     if rng is not None:
         set_rng_states(rng)
 
 
-def rng_of_this_rank(every: list[dict[str, Any]] | None, said: str) -> dict[str, Any] | None:
-    """This rank's saved RNG states, checked; None (and a warning) when saved with another world size."""
+def rng_of_this_rank(
+    every: list[dict[str, Any]] | None, said: str, ranks: list[int] | None
+) -> dict[str, Any] | None:
+    """This rank's saved RNG states, checked; None (and a warning) when saved with another world size.
+
+    ``ranks``: the ranks whose states ``every`` holds (a checkpoint saved by rank 0 alone holds rank 0's
+    only: the other ranks keep their current states, and rank 0 says so once); None: every rank's, in order.
+    """
     if every is None:
         return None
     world, rank = env.world_size(), env.rank()
+    if ranks is not None:
+        if rank == 0 and world > 1:
+            warnings.warn(
+                f"load_checkpoint: the checkpoint was saved by rank 0 alone and holds the RNG states of "
+                f"ranks {ranks} only; the other ranks keep their current ones (all else was restored).",
+                SpeedupsWarning,
+                stacklevel=3,
+            )
+        return file_format.checked_rng(every[ranks.index(rank)], said) if rank in ranks else None
     if len(every) == world:
         return file_format.checked_rng(every[rank], said)
     if rank == 0:

@@ -10,19 +10,25 @@ FSDP2 models go through ``torch.distributed.checkpoint`` (:mod:`speedups.checkpo
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedups._helpers import env
+from speedups._helpers.arrival import arrive
+from speedups._helpers.rng import get_rng_states
 from speedups.checkpoint import file_format
 from speedups.checkpoint.entries import check_path, collective, fsdp_type, saved_object, split_state
 from speedups.checkpoint.rng_states import gather_rng
 from speedups.checkpoint.sharded import save_sharded
-from speedups.errors import SpeedupsError
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
-__all__ = ["save_checkpoint"]
+__all__ = ["ALONE_AFTER_S", "save_checkpoint"]
+
+ALONE_AFTER_S = 5.0
+"""Seconds rank 0 waits for the other ranks in ``save_checkpoint`` before it saves alone."""
 
 
 def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
@@ -30,7 +36,11 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
 
     Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the RNG
     gather, and a final wait); rank 0 alone writes, to a temporary name in the same directory, flushed to
-    disk, then renamed over ``path`` (atomic: a crash mid-write never leaves a broken checkpoint). The mode
+    disk, then renamed over ``path`` (atomic: a crash mid-write never leaves a broken checkpoint). Called on
+    rank 0 alone (a port of ``if master_process: torch.save(...)``), it waits :data:`ALONE_AFTER_S` seconds
+    for the others, then saves what rank 0 holds (a DDP model and a non-sharded optimizer are the same on
+    every rank), without the other ranks' RNG states, with one warning; sharded FSDP2 state or a window in
+    progress is refused then. The mode
     follows the umask, as with ``torch.save``. A model is saved without wrapper prefixes (DDP ``module.``,
     ``torch.compile``'s ``_orig_mod.``), so it loads into the plain or any wrapped model. The file is a
     plain dict (``torch.load(path, weights_only=True)`` reads it without speedups): ``{name: state_dict or
@@ -53,7 +63,9 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     Raises:
         TypeError: a value is neither stateful nor plain data.
         ValueError: nothing passed, or a name starts with ``_``.
-        SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank).
+        SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank);
+            rank 0 alone with FSDP2 or a window in progress; a rank other than 0 alone, at the collective
+            timeout (it says after 10 s, on stderr, that every rank must call it).
 
     Example:
         >>> import tempfile, os
@@ -69,7 +81,13 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     path = check_path("save_checkpoint", path)
     objects, plain = split_state("save_checkpoint", state)
     fsdp = fsdp_type()
-    if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+    sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+    together = arrive("save_checkpoint", alone_after_s=ALONE_AFTER_S) if collective() else True
+    if not together:
+        if env.rank() != 0:
+            return path  # rank 0 went on alone and wrote the file; this rank arrived too late to join
+        _check_alone(path, objects, sharded)
+    if sharded:
         save_sharded(path, objects, plain)
         return path
     targets = {name: saved_object(obj) for name, obj in objects.items()}
@@ -79,15 +97,17 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
         "format": file_format.FORMAT,
         "world_size": env.world_size(),
         "objects": {name: type(target).__name__ for name, target in targets.items()},
-        "rng": gather_rng(),
+        "rng": gather_rng() if together else [file_format.rng_to_file(get_rng_states())],
     }
+    if not together:
+        payload[file_format.META]["rng_ranks"] = [0]
     error = ""
     if env.rank() == 0:
         try:
             file_format.write(path, payload)
         except OSError as err:
             error = f"{type(err).__name__}: {err}"
-    if collective():
+    if collective() and together:
         box = [error]
         torch.distributed.broadcast_object_list(box, src=0)  # also the barrier: the file is complete now
         error = box[0]
@@ -97,3 +117,29 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
             f"Check that the path is a file name in a writable directory with space."
         )
     return path
+
+
+def _check_alone(path: Path, objects: dict[str, Any], sharded: bool) -> None:
+    """Rank 0 saves alone: refuse what only every rank together holds; say once what the file lacks.
+
+    Raises:
+        SpeedupsError: sharded FSDP2 state, or an ``@accumulate`` step in the middle of a window (each rank's
+            pending gradients differ), which rank 0 alone cannot save.
+    """
+    said = f"save_checkpoint({str(path)!r}) on rank 0 alone (no other rank came within {ALONE_AFTER_S:g} s)"
+    fix = "Call save_checkpoint on every rank (it still writes once, from rank 0)"
+    if sharded:
+        raise SpeedupsError(f"{said}: an FSDP2 model's state is sharded across the ranks. {fix}.")
+    pending = [name for name, obj in objects.items() if getattr(obj, "pending", 0)]
+    if pending:
+        raise SpeedupsError(
+            f"{said}: {pending} hold an open accumulation window whose gradients differ per rank. {fix}, or "
+            f"save at a boundary (train_step.pending == 0)."
+        )
+    warnings.warn(
+        f"{said}: saved what rank 0 holds (a DDP model and an optimizer are the same on every rank); the "
+        f"other ranks' RNG states are not in the file, and per-rank values (a LossTracker, a loader's rank) "
+        f"are rank 0's. {fix} to resume every rank exactly.",
+        SpeedupsWarning,
+        stacklevel=3,
+    )

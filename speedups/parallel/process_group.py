@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 
 from speedups._helpers import env, validate
+from speedups._helpers.arrival import arrive
 from speedups.device import default_device
 from speedups.parallel import rendezvous
 
@@ -146,5 +147,6 @@ def destroy_distributed() -> None:
     if not env.pg_ready():
         return
     gc.collect()  # free DDP reducers that only reference cycles keep alive
+    arrive("destroy_distributed")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

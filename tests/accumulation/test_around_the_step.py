@@ -196,9 +196,10 @@ def _other_scheduler() -> torch.optim.lr_scheduler.StepLR:
         (
             lambda m, o: ([o, torch.optim.SGD(m.parameters(), lr=0.1)],),
             ValueError,
-            r"optimizer 1 \(SGD\) holds a parameter an earlier one holds too",
+            r"optimizer\[1\] \(SGD, counted from 0\) holds a parameter an earlier one holds too",
         ),
         (lambda m, o: ([o, "adam"],), TypeError, r"got a list of str"),
+        (lambda m, o: (o, [o]), TypeError, r"scheduler=.*holds an optimizer \(SGD\).* step twice"),
         (
             lambda m, o: (o, [_other_scheduler()]),
             ValueError,
@@ -277,8 +278,9 @@ def test_the_update_record_holds_the_windows_loss_items_norm_and_learning_rates(
 def test_on_update_refuses_what_it_cannot_call() -> None:
     model, opt, _, _ = twin()
     train_step = accumulate(2, opt)(lambda x: model(x).sum())
-    with pytest.raises(TypeError, match=r"on_update\(.*expected a function of one argument"):
-        train_step.on_update("log")
+    for wrong in ("log", lambda: None, lambda a, b: None):  # refused when registered, not at the update
+        with pytest.raises(TypeError, match=r"on_update\(.*expected a function of one argument"):
+            train_step.on_update(wrong)
 
 
 # --------------------------------------------------------------------------------------- gradient norm
