@@ -5,7 +5,7 @@ Composable decorators and context managers, one folder (or module) per tip; this
 
 from speedups.accumulation import UpdateRecord, accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
-from speedups.checkpoint import load_checkpoint, save_checkpoint
+from speedups.checkpoint import checkpoint_values, load_checkpoint, save_checkpoint
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -16,9 +16,13 @@ from speedups.parallel import (
     init_distributed,
     is_main_process,
     launch,
+    local_rank,
+    main_process_first,
+    rank,
     rank_zero_only,
     rank_zero_print,
     seed_everything,
+    world_size,
 )
 from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
@@ -40,6 +44,7 @@ __all__ = [
     "accumulate",
     "accumulation_plan",
     "check",
+    "checkpoint_values",
     "ddp_wrap",
     "default_device",
     "destroy_distributed",
@@ -50,9 +55,12 @@ __all__ = [
     "init_distributed",
     "is_main_process",
     "launch",
+    "local_rank",
     "load_checkpoint",
+    "main_process_first",
     "mixed_precision",
     "profile_steps",
+    "rank",
     "rank_zero_only",
     "rank_zero_print",
     "resolve_device",
@@ -62,4 +70,5 @@ __all__ = [
     "to_device",
     "tune_loader",
     "unshard_model",
+    "world_size",
 ]

@@ -31,6 +31,7 @@ def test_public_names_are_pinned() -> None:
             "accumulate",
             "accumulation_plan",
             "check",
+            "checkpoint_values",
             "ddp_wrap",
             "default_device",
             "destroy_distributed",
@@ -42,8 +43,11 @@ def test_public_names_are_pinned() -> None:
             "is_main_process",
             "launch",
             "load_checkpoint",
+            "local_rank",
+            "main_process_first",
             "mixed_precision",
             "profile_steps",
+            "rank",
             "rank_zero_only",
             "rank_zero_print",
             "resolve_device",
@@ -53,6 +57,7 @@ def test_public_names_are_pinned() -> None:
             "to_device",
             "tune_loader",
             "unshard_model",
+            "world_size",
         ]
     )
     for name in speedups.__all__:

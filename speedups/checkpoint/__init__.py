@@ -2,5 +2,6 @@
 
 from speedups.checkpoint.loading import load_checkpoint
 from speedups.checkpoint.saving import save_checkpoint
+from speedups.checkpoint.values import checkpoint_values
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_values", "load_checkpoint", "save_checkpoint"]

@@ -9,15 +9,17 @@ objects are checked by their ``load_state_dict``, which ``load_checkpoint`` undo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from speedups._helpers import env
 from speedups._helpers.wrappers import strip_prefixes
 from speedups.data.distributed_loader import DistributedLoader
-from speedups.errors import SpeedupsError
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["check_entry", "is_checked"]
 
@@ -40,15 +42,18 @@ def is_checked(obj: Any) -> bool:
     return isinstance(obj, (nn.Module, torch.optim.Optimizer, _LRScheduler)) or _has_own_check(obj)
 
 
-def check_entry(said: str, name: str, entry: str, obj: Any, saved: Any, saved_class: str | None) -> Any:
+def check_entry(
+    said: str, name: str, entry: str, obj: Any, saved: Any, saved_class: str | None, *, strict: bool = True
+) -> Any:
     """Check that ``obj`` (already unwrapped) accepts ``saved``; return what to pass to its load_state_dict.
 
     ``name`` is the argument (``model``), ``entry`` the file's entry it reads (the same, or from ``keys=``),
-    ``saved_class`` the class name recorded when saving (None or "" when the file does not say).
+    ``saved_class`` the class name recorded when saving (None or "" when the file does not say). ``strict``
+    False: a model gets the entries it has (same name and shape), the others are named in one warning.
     """
     what = name if entry == name else f"{name} (entry {entry!r})"
     if isinstance(obj, nn.Module):
-        return _check_model(said, what, obj, saved)
+        return _check_model(said, what, obj, saved) if strict else _matching(said, what, obj, saved)
     if isinstance(obj, torch.optim.Optimizer):
         _check_class(said, what, obj, saved_class, "optimizer")
         _check_optimizer(said, what, obj, saved)
@@ -114,6 +119,32 @@ def _check_model(said: str, what: str, model: nn.Module, saved: Any) -> dict[str
                 f"checkpoint. Build the same model before loading."
             )
     return state
+
+
+def _matching(said: str, what: str, model: nn.Module, saved: Any) -> dict[str, Any]:
+    """The entries of ``saved`` that ``model`` has, with the same shape; a warning (rank 0) names the rest."""
+    if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
+        _check_model(said, what, model, saved)  # raises its message
+    own = model.state_dict()
+    state = strip_prefixes(saved, expected=own)
+    mismatched = sorted(
+        key for key, value in own.items() if key in state and isinstance(value, torch.Tensor)
+        and (not isinstance(state[key], torch.Tensor) or tuple(value.shape) != tuple(state[key].shape))
+    )  # fmt: skip
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if (missing or unexpected or mismatched) and env.rank() == 0:
+        warnings.warn(
+            f"{said}: strict=False: {what} loaded {len(own) - len(missing) - len(mismatched)} of "
+            f"{len(own)} entries; missing from the file {_few(missing)}, unexpected {_few(unexpected)}, "
+            f"another shape {_few(mismatched)} (these keep their current values).",
+            SpeedupsWarning,
+            stacklevel=5,  # _matching, check_entry, the comprehension in load_checkpoint, it, the caller
+        )
+    return {key: value for key, value in state.items() if key in own and key not in mismatched}
+
+
+def _few(keys: list[str]) -> str:
+    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"
 
 
 def _check_optimizer(said: str, what: str, opt: torch.optim.Optimizer, saved: Any) -> None:

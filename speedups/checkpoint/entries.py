@@ -15,7 +15,7 @@ from speedups._helpers import env
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 
-__all__ = ["check_path", "collective", "fsdp_type", "saved_object", "split_state"]
+__all__ = ["check_path", "collective", "fsdp_type", "is_plain", "saved_object", "split_state"]
 
 _PLAIN = (type(None), bool, int, float, str, torch.Tensor)
 
@@ -30,13 +30,15 @@ def fsdp_type() -> type | None:
     return getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
 
 
-def _is_plain(value: Any) -> bool:
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data a checkpoint stores as it is: None, numbers, strings, tensors, and
+    lists, tuples and dicts (with string keys) of them."""
     if isinstance(value, _PLAIN):
         return True
     if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
+        return all(is_plain(v) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
     return False
 
 
@@ -59,7 +61,7 @@ def split_state(
             raise ValueError(f"{call}({name}=...): names starting with '_' are reserved. Rename it.")
         if _is_stateful(value):
             objects[name] = value
-        elif _is_plain(value):
+        elif is_plain(value):
             plain[name] = value
         else:
             fix = f"Pass its state as a plain value instead, e.g. {name}={name}.get_state() for a Generator."

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from speedups._helpers import validate
 from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import file_format
@@ -27,7 +28,7 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, keys: Mapping[str, str] | None = None, **state: Any
+    path: str | os.PathLike[str], *, keys: Mapping[str, str] | None = None, strict: bool = True, **state: Any
 ) -> dict[str, Any]:
     """Load a checkpoint into the named objects, after checking every entry; return its plain values.
 
@@ -52,6 +53,10 @@ def load_checkpoint(
     Args:
         path: the file (or FSDP2 directory) to read.
         keys: argument name -> the file's entry, where they differ (``{"model": "state_dict"}``).
+        strict: False loads a model's matching entries only (same name and shape), as
+            ``nn.Module.load_state_dict(strict=False)`` does: a backbone into a model with a new head. The
+            keys missing from the file, the unexpected ones and those of another shape are named in one
+            ``SpeedupsWarning`` (rank 0). Other objects are checked strictly either way.
         **state: the objects to restore, by name (a subset of what was saved is fine).
 
     Returns:
@@ -79,6 +84,8 @@ def load_checkpoint(
             f"load_checkpoint({', '.join(f'{k}=...' for k in extra)}): plain values cannot be loaded into; "
             f"they are returned: values = load_checkpoint(path, model=model)."
         )
+    with validate.arguments(f"load_checkpoint(path, strict={strict!r})"):
+        validate.flag(strict, "strict")
     entry_of = _check_keys(keys, objects)
     path = check_path("load_checkpoint", path)
     said = f"load_checkpoint({str(path)!r})"
@@ -96,11 +103,11 @@ def load_checkpoint(
     classes = contents.objects or {}
     ready = {
         name: check_entry(said, name, entry_of[name], saved_object(obj), entries[entry_of[name]],
-                          classes.get(entry_of[name]))
+                          classes.get(entry_of[name]), strict=strict)
         for name, obj in objects.items()
     }  # fmt: skip
     rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks)  # checked before any object changes
-    _load_all(objects, ready)
+    _load_all(objects, ready, strict)
     if rng is not None:
         set_rng_states(rng)
     used = set(entry_of.values())
@@ -148,7 +155,7 @@ def _missing(said: str, missing: list[str], entry_of: dict[str, str], contents: 
     )
 
 
-def _load_all(objects: dict[str, Any], ready: dict[str, Any]) -> None:
+def _load_all(objects: dict[str, Any], ready: dict[str, Any], strict: bool) -> None:
     """Load every object, all or none: objects checked beforehand (models, optimizers, schedulers, speedups
     objects) load last; any other object loads first, after a copy of its state is taken, and is put back if
     a later ``load_state_dict`` raises."""
@@ -158,7 +165,10 @@ def _load_all(objects: dict[str, Any], ready: dict[str, Any]) -> None:
         for name, obj in order:
             target = saved_object(obj)
             before = None if is_checked(target) else copy.deepcopy(target.state_dict())
-            target.load_state_dict(ready[name])
+            if isinstance(target, torch.nn.Module):
+                target.load_state_dict(ready[name], strict=strict)  # non-strict: the checked subset
+            else:
+                target.load_state_dict(ready[name])
             done.append((target, before))
     except Exception:
         for target, before in reversed(done):

@@ -13,7 +13,7 @@ from speedups.checkpoint.entries import fsdp_type
 from speedups.checkpoint.rng_states import gather_rng, restore_rng
 from speedups.errors import SpeedupsError
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["load_sharded", "plain_values_of_directory", "save_sharded"]
 
 
 def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +86,15 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         else:
             obj.load_state_dict(state[name])
     restore_rng(_unblob(state["_rng"]))
+    return dict(_unblob(state["_plain"]))
+
+
+def plain_values_of_directory(path: Path) -> dict[str, Any]:
+    """The plain values of an FSDP2 checkpoint directory, read by this process alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = {"_plain": b""}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return dict(_unblob(state["_plain"]))
 
 

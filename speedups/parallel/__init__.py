@@ -7,8 +7,16 @@ Which process this is and which device is its own is answered by the launch envi
 from speedups.parallel.data_parallel import ddp_wrap
 from speedups.parallel.gathering import gather
 from speedups.parallel.launcher import launch
+from speedups.parallel.main_first import main_process_first
 from speedups.parallel.process_group import destroy_distributed, init_distributed
-from speedups.parallel.rank_zero import is_main_process, rank_zero_only, rank_zero_print
+from speedups.parallel.ranks import (
+    is_main_process,
+    local_rank,
+    rank,
+    rank_zero_only,
+    rank_zero_print,
+    world_size,
+)
 from speedups.parallel.seeding import seed_everything
 
 __all__ = [
@@ -18,7 +26,11 @@ __all__ = [
     "init_distributed",
     "is_main_process",
     "launch",
+    "local_rank",
+    "main_process_first",
+    "rank",
     "rank_zero_only",
     "rank_zero_print",
     "seed_everything",
+    "world_size",
 ]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from speedups import LossTracker, SpeedupsError, distributed, load_checkpoint, save_checkpoint
+from speedups import LossTracker, SpeedupsError, SpeedupsWarning, distributed, load_checkpoint, save_checkpoint
 
 
 def _setup(seed: int):
@@ -437,3 +437,47 @@ def test_checkpoints_of_the_first_layout_still_load(tmp_path: Path) -> None:
     fresh = nn.Linear(2, 1)
     assert load_checkpoint(tmp_path / "v1.pt", model=fresh) == {"step": 4}
     assert _same(fresh.state_dict(), model.state_dict())
+
+
+# ----------------------------------------------------------------------- values first, partial loads
+def test_a_model_is_built_from_the_checkpoints_values_then_loaded(tmp_path) -> None:
+    """nanoGPT keeps model_args in the checkpoint: read them, build the model, load it."""
+    from speedups import checkpoint_values
+
+    torch.manual_seed(0)
+    args = {"n_in": 5, "hidden": 7}
+    model = nn.Sequential(nn.Linear(args["n_in"], args["hidden"]), nn.Tanh(), nn.Linear(args["hidden"], 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=opt, model_args=args, iter_num=7)
+    values = checkpoint_values(tmp_path / "ckpt.pt")
+    assert values == {"model_args": args, "iter_num": 7}  # no object was loaded or built
+    built = nn.Sequential(nn.Linear(values["model_args"]["n_in"], values["model_args"]["hidden"]), nn.Tanh(),
+                          nn.Linear(values["model_args"]["hidden"], 1))  # fmt: skip
+    load_checkpoint(tmp_path / "ckpt.pt", model=built)
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), model.parameters(), strict=True))
+    foreign = tmp_path / "theirs.pt"
+    torch.save({"state_dict": model.state_dict(), "epoch": 3, "config": {"lr": 0.1}}, foreign)
+    assert checkpoint_values(foreign) == {"epoch": 3, "config": {"lr": 0.1}}  # the state dict is no value
+    with pytest.raises(FileNotFoundError):
+        checkpoint_values(tmp_path / "missing.pt")
+
+
+def test_strict_false_loads_a_backbone_into_a_model_with_a_new_head(tmp_path) -> None:
+    torch.manual_seed(0)
+    pretrained = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))  # a 10-class head
+    save_checkpoint(tmp_path / "ckpt.pt", model=pretrained, epoch=5)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.Linear(3, 1))  # new head, extra layer
+    head_before = [p.detach().clone() for p in (*model[2].parameters(), *model[3].parameters())]
+    with pytest.raises(SpeedupsError, match=r"shape \(3, 8\) here and \(10, 8\)|keys differ"):
+        load_checkpoint(tmp_path / "ckpt.pt", model=model)  # strict: refused, nothing changed
+    assert torch.equal(model[2].weight, head_before[0])
+    with pytest.warns(SpeedupsWarning, match=r"strict=False: model loaded 2 of 6 entries; missing from the file "
+                      r"\['3.bias', '3.weight'\], unexpected \[\], another shape \['2.bias', '2.weight'\]") as rec:
+        values = load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=False)
+    assert values == {"epoch": 5} and rec[0].filename == __file__
+    assert torch.equal(model[0].weight, pretrained[0].weight) and torch.equal(model[0].bias, pretrained[0].bias)
+    after = [p.detach() for p in (*model[2].parameters(), *model[3].parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(after, head_before, strict=True))  # the new head kept its init
+    with pytest.raises(TypeError, match=r"strict=1: expected True or False"):
+        load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=1)

@@ -86,6 +86,7 @@ def test_torchrun_two_processes_match_one_process_and_the_checks_hold(tmp_path: 
         assert r["val_mean"] == pytest.approx(expected, abs=1e-12)
     # FSDP2 via ddp_wrap(strategy="fsdp") and torch.distributed.checkpoint via save/load_checkpoint.
     assert all(r["fsdp_changed"] and r["fsdp_restored"] and r["fsdp_extra"] == {"step": 1} for r in results)
+    assert all(r["fsdp_values"] == {"step": 1} for r in results)  # checkpoint_values reads a directory too
     assert (tmp_path / "fsdp_ckpt" / ".metadata").exists()
 
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from speedups import (
     LossTracker,
+    checkpoint_values,
     ddp_wrap,
     destroy_distributed,
     distributed,
@@ -120,6 +121,7 @@ if args.checks:
     result["fsdp_changed"] = any(not torch.equal(a, b) for a, b in zip(saved, changed, strict=True))
     result["fsdp_restored"] = all(torch.equal(a, b) for a, b in zip(saved, restored, strict=True))
     result["fsdp_extra"] = extra
+    result["fsdp_values"] = checkpoint_values(out / "fsdp_ckpt")  # this rank alone reads the plain values
     train_step()  # the restored optimizer state works
 
 (out / f"rank{rank}.json").write_text(json.dumps(result))

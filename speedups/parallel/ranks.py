@@ -1,4 +1,4 @@
-"""Rank-zero helpers: who is the main process, and functions and prints that run there only."""
+"""Which process this is (rank, local rank, world size), and functions and prints that run on rank 0 only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,43 @@ import wrapt
 
 from speedups._helpers import env
 
-__all__ = ["is_main_process", "rank_zero_only", "rank_zero_print"]
+__all__ = ["is_main_process", "local_rank", "rank", "rank_zero_only", "rank_zero_print", "world_size"]
+
+
+def rank() -> int:
+    """Return this process's global rank: 0 to ``world_size() - 1``, 0 in a plain run.
+
+    Read from the process group once ``init_distributed()`` (or ``ddp_wrap``) made it, else from the
+    launcher's variables (``RANK``, ``SLURM_PROCID``). The same for every launch style.
+
+    Raises:
+        ValueError: a launcher variable is not a whole number.
+
+    Example:
+        >>> rank(), local_rank(), world_size()
+        (0, 0, 1)
+    """
+    return env.rank()
+
+
+def local_rank() -> int:
+    """Return this process's rank on its node (``LOCAL_RANK``, ``SLURM_LOCALID``), 0 in a plain run.
+
+    The index of this process's GPU under torchrun, never the global rank (see ``default_device``).
+
+    Raises:
+        ValueError: a launcher variable is not a whole number.
+    """
+    return env.local_rank()
+
+
+def world_size() -> int:
+    """Return the number of processes in the job, 1 in a plain run (the process group's, once made).
+
+    Raises:
+        ValueError: a launcher variable is not a whole number.
+    """
+    return env.world_size()
 
 
 def is_main_process() -> bool:
