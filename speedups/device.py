@@ -20,6 +20,7 @@ __all__ = ["to_device", "default_device", "resolve_device"]
 
 T = TypeVar("T")
 
+
 def default_device() -> torch.device:
     """Return this process's device: its CUDA device, else ``mps``, else ``cpu``.
 

@@ -296,7 +296,6 @@ class Accumulator:
         self._reset_window()
         return dropped
 
-
     def _weigh_items(
         self, loss: torch.Tensor, n: Any, *, first: bool
     ) -> tuple[torch.Tensor, Literal[False] | torch.Tensor | None]:

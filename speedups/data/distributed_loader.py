@@ -24,6 +24,7 @@ from torch.utils.data import (
 
 from speedups._helpers import env, validate
 from speedups.data.rank_sampler import RankSampler
+from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sampler_adoption import adopted, check_adoptable
 from speedups.errors import SpeedupsError
 
@@ -256,6 +257,47 @@ class _Counting:
         return batch
 
 
+def _stream(
+    loader: DataLoader, said: str, shuffle: bool | None, even: bool, place: tuple[int, int]
+) -> DataLoader:
+    """``loader`` over an IterableDataset, rebuilt around a :class:`RankStream` (or over the dataset as it
+    is, when it declares ``splits_by_rank = True``)."""
+    if shuffle:
+        raise ValueError(
+            f"{said}: an IterableDataset is read in its own order; shuffle it inside the stream (a shuffle "
+            f"buffer) and leave shuffle=None."
+        )
+    dataset: Any = loader.dataset
+    if not splits_itself(dataset):
+        dataset = RankStream(dataset, rank=place[0], world_size=place[1], even=even)
+    return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **_settings(loader))
+
+
+def _placement(said: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world size)``: the arguments, else the launcher's; checked against each other."""
+    here = env.placement(call="distributed()")
+    num_replicas = here.world_size if world_size is None else world_size
+    this_rank = here.rank if rank is None else rank
+    if this_rank >= num_replicas:
+        raise ValueError(
+            f"{said}: rank={this_rank} must be below world_size={num_replicas}. Pass a rank in "
+            f"range({num_replicas}), or leave rank and world_size to the launcher (None)."
+        )
+    return this_rank, num_replicas
+
+
+def _settings(loader: DataLoader) -> dict[str, Any]:
+    """The loader's settings a rebuilt one keeps (worker settings only where it has workers)."""
+    params = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {
+        name: getattr(loader, name) for name in _PASSED_THROUGH if name in params and hasattr(loader, name)
+    }
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return kwargs
+
+
 _PASSED_THROUGH = (
     "num_workers",
     "collate_fn",
@@ -279,7 +321,7 @@ def distributed(
     seed: int = 0,
     rank: int | None = None,
     world_size: int | None = None,
-) -> DistributedLoader:
+) -> DistributedLoader | DataLoader:
     """Return ``loader`` rebuilt with a ``DistributedSampler``: each rank gets its share of every epoch.
 
     The new loader keeps every setting of the original (batch size, ``drop_last``, workers, ``collate_fn``,
@@ -292,14 +334,17 @@ def distributed(
     reduce once after the loop (``LossTracker(all_ranks=True)`` or :func:`~speedups.gather`). The original
     loader is not modified. A loader that already has a ``DistributedSampler`` (code written for torchrun) is
     adopted, never split twice: the same ranks, shuffling, seed and ``drop_last``, with ``set_epoch(e)`` on
-    pass ``e``; arguments that contradict that sampler raise.
+    pass ``e``; arguments that contradict that sampler raise. A loader over an ``IterableDataset`` becomes a
+    plain ``DataLoader`` over a :class:`~speedups.data.rank_stream.RankStream`: the stream dealt round-robin
+    to every (rank, loader worker), each sample read once per epoch (``even`` drops a last partial round so
+    every rank gets as many batches); a dataset with ``splits_by_rank = True`` is trusted to split itself.
 
     Sync points: none (each rank computes the same permutation from ``seed + epoch``).
 
     Args:
         loader: a map-style ``DataLoader`` whose sampler is a ``RandomSampler`` (shuffled),
             a ``SequentialSampler`` (not shuffled), a ``DistributedSampler`` (adopted), or one of them inside
-            a ``BatchSampler``.
+            a ``BatchSampler``; or a ``DataLoader`` over an ``IterableDataset``.
         shuffle: shuffle every epoch; None keeps what the original did.
         even: pad so every rank gets equal batch counts (True, training), or give every sample exactly once
             (False, evaluation).
@@ -310,13 +355,14 @@ def distributed(
         world_size: the number of ranks; None reads it like ``rank``.
 
     Returns:
-        A :class:`DistributedLoader`.
+        A :class:`DistributedLoader`; for an ``IterableDataset``, a ``DataLoader`` (its position is the
+        stream's, not checkpointed).
 
     Raises:
-        TypeError: ``loader`` is not a DataLoader, or holds an ``IterableDataset``, or a sampler that cannot
-            be split across ranks (weighted, subset, custom).
+        TypeError: ``loader`` is not a DataLoader, or holds a sampler that cannot be split across ranks
+            (weighted, subset, custom).
         ValueError: ``rank``/``world_size`` out of range, ``loader`` is already a :class:`DistributedLoader`,
-            or an argument contradicts the ``DistributedSampler`` it holds.
+            an argument contradicts the ``DistributedSampler`` it holds, or ``shuffle=True`` for a stream.
         SpeedupsError: the environment contradicts itself.
 
     Example:
@@ -333,14 +379,6 @@ def distributed(
             f"distributed(loader={type(loader).__name__}): expected a torch.utils.data.DataLoader. "
             f"Build one first: distributed(DataLoader(dataset, batch_size=..., shuffle=True))."
         )
-    if isinstance(loader.dataset, IterableDataset):
-        raise TypeError(
-            f"distributed(loader=DataLoader({type(loader.dataset).__name__})): an IterableDataset has no "
-            f"indices a DistributedSampler could split, so every rank would read the same stream. Split the "
-            f"stream inside the dataset's __iter__ by rank (torch.distributed.get_rank(), get_world_size(), "
-            f"and torch.utils.data.get_worker_info() for workers), or use a map-style Dataset "
-            f"(__getitem__ and __len__)."
-        )
     if isinstance(loader, DistributedLoader):
         raise ValueError(f"distributed(loader={type(loader).__name__}): this loader is already distributed.")
     said = (
@@ -354,6 +392,8 @@ def distributed(
         validate.integer(seed, "seed", example="0 (the same on every rank)")
         validate.integer(world_size, "world_size", minimum=1, none_ok=True)
         validate.integer(rank, "rank", minimum=0, none_ok=True)
+    if isinstance(loader.dataset, IterableDataset):
+        return _stream(loader, said, shuffle, even, _placement(said, rank, world_size))
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise TypeError(
@@ -381,14 +421,7 @@ def distributed(
             f"(shuffle=True) or SequentialSampler (shuffle=False) can be split across ranks. For weighted or "
             f"subset sampling, split the indices by rank yourself."
         )
-    here = env.placement(call="distributed()")
-    num_replicas = here.world_size if world_size is None else world_size
-    this_rank = here.rank if rank is None else rank
-    if this_rank >= num_replicas:
-        raise ValueError(
-            f"{said}: rank={this_rank} must be below world_size={num_replicas}. Pass a rank in "
-            f"range({num_replicas}), or leave rank and world_size to the launcher (None)."
-        )
+    this_rank, num_replicas = _placement(said, rank, world_size)
     sampler = RankSampler(
         loader.dataset,
         num_replicas=num_replicas,
@@ -399,13 +432,7 @@ def distributed(
     )
     if isinstance(inner, DistributedSampler) and inner.drop_last and even:  # its split, tail dropped
         sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
-    params = inspect.signature(DataLoader.__init__).parameters
-    kwargs = {
-        name: getattr(loader, name) for name in _PASSED_THROUGH if name in params and hasattr(loader, name)
-    }
-    if not kwargs.get("num_workers"):
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
+    kwargs = _settings(loader)
     if loader.batch_size is not None:  # built from batch_size: keep batch_size and drop_last as attributes
         kwargs.update(sampler=sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif batch_sampler is not None:  # the user's own BatchSampler: rebuild it around the new sampler

@@ -19,13 +19,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from speedups._helpers import validate
+from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.validate import short
+from speedups.data.rank_stream import splits_itself
 from speedups.data.workers import dataloader_parameters, seed_worker, start_method, unpicklable_for_workers
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["fast_loader"]
+
 
 def has_per_epoch_state(dataset: object, depth: int = 4) -> bool:
     """Whether ``dataset``, or one it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), has set_epoch.
@@ -66,10 +68,12 @@ def fast_loader(
 
     Against ``DataLoader(dataset, batch_size, shuffle=shuffle)``: ``num_workers="auto"`` gives one worker per
     CPU this process may use, shared among the node's processes (``LOCAL_WORLD_SIZE``), or 0 for an
-    ``IterableDataset`` (one :class:`~speedups.SpeedupsWarning`: each worker would replay the stream); with
-    workers, ``persistent_workers=True`` and a ``prefetch_factor`` that keeps 4 batches in flight;
-    persistent workers stay off for a dataset with ``set_epoch`` (or wrapping one), since workers started
-    once would keep its epoch-0 state: they restart each epoch, as a plain ``DataLoader``'s do;
+    ``IterableDataset`` (one :class:`~speedups.SpeedupsWarning`, as for a stream read by several ranks or
+    workers: each would replay it; ``distributed()`` splits it, or the dataset declares
+    ``splits_by_rank = True``); with workers, ``persistent_workers=True`` and a ``prefetch_factor`` that
+    keeps 4 batches in flight; persistent workers stay off for a dataset with ``set_epoch`` (or wrapping
+    one), since workers started once would keep its epoch-0 state: they restart each epoch, as a plain
+    ``DataLoader``'s do;
     ``pin_memory`` only with CUDA; a ``worker_init_fn`` that seeds ``numpy`` and ``random`` in each worker
     from torch's per-worker seed and then calls yours, so every worker and epoch draws its own numbers,
     reproducibly from ``seed`` or ``generator``. Any other keyword goes to ``DataLoader`` and wins. It does
@@ -88,7 +92,8 @@ def fast_loader(
         A plain ``DataLoader``; its ``worker_init_fn`` is picklable.
 
     Raises:
-        TypeError: an argument of the wrong type, or an argument ``DataLoader`` does not take.
+        TypeError: an argument of the wrong type (a ``DataLoader`` as ``dataset``: pass its ``.dataset``), or
+            an argument ``DataLoader`` does not take.
         ValueError: ``batch_size`` < 1, ``num_workers`` < 0, or both ``seed`` and ``generator``.
         SpeedupsError: workers would start with ``spawn``/``forkserver`` and the dataset, ``collate_fn``
             or ``worker_init_fn`` cannot be pickled (the message names it; checked before any worker starts).
@@ -102,6 +107,12 @@ def fast_loader(
 
     Source: PyTorch's data loading notes ("Randomness in multi-process data loading"); README, Tip 1.
     """
+    if isinstance(dataset, DataLoader):
+        raise TypeError(
+            f"fast_loader(dataset=DataLoader(...)): dataset is already a DataLoader; fast_loader builds the "
+            f"DataLoader from a dataset. Pass its dataset: fast_loader(loader.dataset, "
+            f"{dataset.batch_size if batch_size is None else batch_size}, shuffle=True)."
+        )
     if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "__iter__")) or isinstance(
         dataset, (str, bytes)
     ):
@@ -132,22 +143,16 @@ def fast_loader(
             raise TypeError(f"worker_init_fn={user_init!r}: expected a function of the worker id, or None.")
 
     kwargs = dict(dataloader_kwargs)
-    iterable = isinstance(dataset, IterableDataset)
+    stream = isinstance(dataset, IterableDataset) and not splits_itself(dataset)  # replayed per reader
     if num_workers == "auto":
-        workers = 0 if iterable else cpus_per_process()  # may be 0: fewer CPUs than local processes
-        if iterable:
-            warnings.warn(
-                "fast_loader(num_workers='auto'): an IterableDataset gets 0 workers, since every worker "
-                "would replay the whole stream unless the dataset shards itself with get_worker_info(). "
-                "If yours does, pass num_workers=N.",
-                SpeedupsWarning,
-                stacklevel=2,
-            )
+        workers = 0 if stream else cpus_per_process()  # may be 0: fewer CPUs than local processes
         if workers == 0:  # settings that only mean something with workers: "auto" did not apply
             for key in ("persistent_workers", "prefetch_factor", "multiprocessing_context"):
                 kwargs.pop(key, None)
     else:
         workers = int(num_workers)
+    if stream:
+        _warn_replayed(dataset, batch_size, num_workers, workers)
 
     kwargs["worker_init_fn"] = (
         seed_worker if user_init is None else functools.partial(seed_worker, init_fn=user_init)
@@ -170,6 +175,31 @@ def fast_loader(
     kwargs.setdefault("pin_memory", torch.cuda.is_available())
     if seed is not None:
         kwargs["generator"] = torch.Generator().manual_seed(seed)
-    if not iterable or shuffle:
+    if not isinstance(dataset, IterableDataset) or shuffle:
         kwargs["shuffle"] = shuffle
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+
+
+def _warn_replayed(dataset: object, batch_size: int | None, asked: int | str, workers: int) -> None:
+    """One warning (rank 0) when a stream would be read whole by every rank or worker."""
+    ranks = env.world_size()
+    if ranks == 1 and workers <= 1 and asked != "auto":
+        return
+    readers = []
+    if ranks > 1:
+        readers.append(f"each of the {ranks} ranks")
+    if workers > 1:
+        readers.append(f"each of the {workers} workers")
+    said = f"fast_loader({type(dataset).__name__}(), num_workers={asked!r})"
+    if readers:
+        what = f"{' and '.join(readers)} would read the whole stream: every sample trained on more than once"
+    else:
+        what = "an IterableDataset gets 0 workers, since every worker would read the whole stream"
+    if env.rank() == 0:
+        warnings.warn(
+            f"{said}: {what}. Split it by rank and worker: distributed(DataLoader(dataset, "
+            f"batch_size={batch_size}, num_workers=2)), or split it inside the dataset (get_worker_info(), "
+            f"speedups.rank()) and declare that with a class attribute `splits_by_rank = True`.",
+            SpeedupsWarning,
+            stacklevel=3,
+        )

@@ -25,6 +25,7 @@ __all__ = ["shard_model", "unshard_model"]
 
 M = TypeVar("M", bound=nn.Module)
 
+
 def shard_model(
     model: M,
     device_map: Mapping[str, DeviceLike | Sequence[DeviceLike]],

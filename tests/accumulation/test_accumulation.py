@@ -430,7 +430,7 @@ def test_fsdp2_module_gets_gradient_sync_off_between_boundaries() -> None:
         train_step.flush()
     assert train_step.pending == 1
     with pytest.raises(SpeedupsError, match=r"pending on an FSDP2 model.* Save at a boundary"):
-        train_step.state_dict()  # a mid-window checkpoint could not resume: refused before anything is written
+        train_step.state_dict()  # a mid-window checkpoint could not resume: refused before any write
 
 
 def test_fsdp2_epoch_syncs_its_last_call_so_the_short_window_flushes() -> None:

@@ -34,7 +34,9 @@ def test_fsdp2_switches_sync_only_when_it_changes_and_cannot_flush() -> None:
     assert model.sync_calls == [False, True, False, True]
     assert sync.reference(torch.tensor(8)) == 1.0 and sync.weigh(torch.tensor(2.0), 4, 1.0).item() == 8.0
     sync.micro_step(False)
-    with pytest.raises(SpeedupsError, match=r"3 micro-steps are pending on an FSDP2 .*epoch\(loader\).* of 4"):
+    with pytest.raises(
+        SpeedupsError, match=r"3 micro-steps are pending on an FSDP2 .*epoch\(loader\).* of 4"
+    ):
         sync.sync_window(list(model.parameters()), None, 3, 4)  # the last backward left them unreduced
     sync.restart()  # a loaded checkpoint: sync back on, the next window starts afresh
     assert model.sync_calls[-2:] == [False, True] and not sync.sync_off

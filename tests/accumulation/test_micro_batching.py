@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from speedups import accumulate
 from speedups.accumulation.micro_batching import split_call
-from speedups.errors import SpeedupsError
 from tests._dist import WORKERS, run_torchrun
 from tests._models import FakeFSDP2, linear_data, mlp, reference_step, twin
 
@@ -217,13 +216,18 @@ def test_bad_split_is_refused_when_decorating() -> None:
 
 
 def test_fsdp2_micro_batches_sync_only_the_last_of_a_boundary_call() -> None:
-    """FSDP2 keeps unsynchronised gradients in its own buffers: the boundary call's last micro-batch must sync."""
+    """FSDP2 keeps unsynchronised gradients in its own buffers: a boundary call's last micro-batch syncs."""
     X, Y = linear_data(16)
     model, opt, ref, ref_opt = twin(FakeFSDP2())
     train_step = accumulate(2, opt, model=model, micro_batch_size=2)(lambda x, y: F.mse_loss(model(x), y))
     for i in range(0, 16, 4):
         train_step(X[i : i + 4], Y[i : i + 4])
-    assert model.sync_calls == [False, True, False, True]  # per window: off for 3 micro-batches, on for the 4th
+    assert model.sync_calls == [
+        False,
+        True,
+        False,
+        True,
+    ]  # per window: off for 3 micro-batches, on for the 4th
     for start in (0, 8):
         reference_step(ref_opt, F.mse_loss(ref(X[start : start + 8]), Y[start : start + 8]))
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-6, rtol=0)

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from speedups import LossTracker, SpeedupsError, SpeedupsWarning, distributed, load_checkpoint, save_checkpoint
+from speedups import (
+    LossTracker,
+    SpeedupsError,
+    SpeedupsWarning,
+    distributed,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _setup(seed: int):
@@ -467,17 +474,26 @@ def test_strict_false_loads_a_backbone_into_a_model_with_a_new_head(tmp_path) ->
     pretrained = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))  # a 10-class head
     save_checkpoint(tmp_path / "ckpt.pt", model=pretrained, epoch=5)
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.Linear(3, 1))  # new head, extra layer
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.Linear(3, 1)
+    )  # new head, extra layer
     head_before = [p.detach().clone() for p in (*model[2].parameters(), *model[3].parameters())]
     with pytest.raises(SpeedupsError, match=r"shape \(3, 8\) here and \(10, 8\)|keys differ"):
         load_checkpoint(tmp_path / "ckpt.pt", model=model)  # strict: refused, nothing changed
     assert torch.equal(model[2].weight, head_before[0])
-    with pytest.warns(SpeedupsWarning, match=r"strict=False: model loaded 2 of 6 entries; missing from the file "
-                      r"\['3.bias', '3.weight'\], unexpected \[\], another shape \['2.bias', '2.weight'\]") as rec:
+    with pytest.warns(
+        SpeedupsWarning,
+        match=r"strict=False: model loaded 2 of 6 entries; missing from the file "
+        r"\['3.bias', '3.weight'\], unexpected \[\], another shape \['2.bias', '2.weight'\]",
+    ) as rec:
         values = load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=False)
     assert values == {"epoch": 5} and rec[0].filename == __file__
-    assert torch.equal(model[0].weight, pretrained[0].weight) and torch.equal(model[0].bias, pretrained[0].bias)
+    assert torch.equal(model[0].weight, pretrained[0].weight) and torch.equal(
+        model[0].bias, pretrained[0].bias
+    )
     after = [p.detach() for p in (*model[2].parameters(), *model[3].parameters())]
-    assert all(torch.equal(a, b) for a, b in zip(after, head_before, strict=True))  # the new head kept its init
+    assert all(
+        torch.equal(a, b) for a, b in zip(after, head_before, strict=True)
+    )  # the new head kept its init
     with pytest.raises(TypeError, match=r"strict=1: expected True or False"):
         load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=1)

@@ -128,7 +128,6 @@ class _Stream(IterableDataset):
     ("call", "error", "match"),
     [
         (lambda: distributed([1, 2, 3]), TypeError, r"distributed\(loader=list\): expected a torch"),
-        (lambda: distributed(DataLoader(_Stream())), TypeError, r"IterableDataset.*get_worker_info"),
         (lambda: distributed(DataLoader(range(4), sampler=[0, 1])), TypeError, "sampler is a list"),
         (lambda: distributed(DataLoader(range(4), shuffle=True), rank=2, world_size=2), ValueError, "rank"),
         (lambda: distributed(DataLoader(range(4)), world_size=0), ValueError, "world_size=0"),
@@ -202,5 +201,54 @@ def test_a_distributed_loader_built_by_hand_iterates_and_refuses_only_a_mid_epoc
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     loader.set_epoch(3)
     assert len(list(loader)) == 4
-    with pytest.raises(SpeedupsError, match=r"resuming 1 batches into an epoch needs the sampler distributed"):
+    with pytest.raises(
+        SpeedupsError, match=r"resuming 1 batches into an epoch needs the sampler distributed"
+    ):
         loader.load_state_dict({**loader.state_dict(), "batches": 1})
+
+
+# ------------------------------------------------------------------------------------ streams across ranks
+class _Numbers(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(float(self.n)))
+
+
+class _SplitsItself(_Numbers):
+    splits_by_rank = True
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_is_read_once_per_epoch_across_2_ranks_and_2_workers(workers: int) -> None:
+    seen = []
+    per_rank = []
+    for r in (0, 1):  # the rank each process of a 2-rank job would have
+        loader = distributed(
+            DataLoader(_Numbers(12), batch_size=2, num_workers=workers), rank=r, world_size=2
+        )
+        mine = [int(v) for epoch in range(2) for b in loader for v in b.tolist()]
+        seen += mine
+        per_rank.append(len(mine))
+    assert sorted(seen) == sorted(list(range(12)) * 2)  # two epochs, every sample once in each
+    assert per_rank == [12, 12]
+
+
+def test_an_even_stream_drops_a_partial_last_round_so_ranks_get_as_many_batches() -> None:
+    even = [list(distributed(DataLoader(_Numbers(7), batch_size=1), rank=r, world_size=2)) for r in (0, 1)]
+    assert [len(b) for b in even] == [3, 3] and torch.cat(
+        [*even[0], *even[1]]
+    ).sort().values.tolist() == list(map(float, range(6)))
+    odd = [
+        list(distributed(DataLoader(_Numbers(7), batch_size=1), rank=r, world_size=2, even=False))
+        for r in (0, 1)
+    ]
+    assert [len(b) for b in odd] == [4, 3]  # every sample once, for evaluation
+
+
+def test_a_stream_that_splits_itself_is_left_whole_and_shuffle_is_refused() -> None:
+    loader = distributed(DataLoader(_SplitsItself(6), batch_size=3), rank=1, world_size=2)
+    assert [b.tolist() for b in loader] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # its own split: untouched
+    with pytest.raises(ValueError, match=r"IterableDataset is read in its own order.* shuffle=None"):
+        distributed(DataLoader(_Numbers(6), batch_size=3), shuffle=True, rank=0, world_size=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -236,3 +237,29 @@ def test_persistent_workers_stay_off_for_datasets_wrapping_one_with_set_epoch() 
     assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is True  # no per-epoch state
     # An explicit choice wins, as with DataLoader itself (whose persistent workers behave the same).
     assert fast_loader(ds, 2, num_workers=2, persistent_workers=True).persistent_workers is True
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_a_stream_read_by_several_ranks_or_workers_is_warned_about_both(monkeypatch) -> None:
+    with pytest.warns(SpeedupsWarning, match=r"each of the 2 workers would read the whole stream"):
+        fast_loader(_Stream(), 4, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast_loader(_Stream(), 4, num_workers=0)  # one reader: nothing to say
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for workers in (0, "auto"):
+        with pytest.warns(
+            SpeedupsWarning, match=r"each of the 2 ranks would read the whole stream.*distributed"
+        ):
+            fast_loader(_Stream(), 4, num_workers=workers)
+
+
+def test_a_dataloader_passed_as_dataset_is_refused_with_its_dataset_as_the_fix() -> None:
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4)
+    with pytest.raises(TypeError, match=r"dataset is already a DataLoader.*fast_loader\(loader.dataset, 64"):
+        fast_loader(loader, 64)

@@ -33,7 +33,9 @@ def test_save_checkpoint_on_rank_0_only_saves_what_rank_0_holds_within_seconds(t
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("mode", "calls"), [("save_rank1", "save_checkpoint"), ("tracker", "LossTracker.compute")])
+@pytest.mark.parametrize(
+    ("mode", "calls"), [("save_rank1", "save_checkpoint"), ("tracker", "LossTracker.compute")]
+)
 def test_a_collective_on_one_rank_says_which_call_and_fails_at_the_timeout(
     tmp_path: Path, mode: str, calls: str
 ) -> None:
@@ -42,7 +44,9 @@ def test_a_collective_on_one_rank_says_which_call_and_fails_at_the_timeout(
     errors = [r["error"] for r in results]
     assert all(e is not None and "gave up after 12 s" in e and "every rank must call it" in e for e in errors)
     assert any(e.startswith(f"{calls}() on rank") for e in errors)
-    assert "still waiting after 10 s" in stderr and f"{calls}() is collective" in stderr  # said before failing
+    assert (
+        "still waiting after 10 s" in stderr and f"{calls}() is collective" in stderr
+    )  # said before failing
     assert all(10 < r["seconds"] < 20 for r in results)
 
 
@@ -58,7 +62,7 @@ def _ordered(_: object) -> tuple[float, float, int, int, int]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_main_process_first_runs_rank_0_before_the_others_and_rank_helpers_read_the_launch() -> None:
-    (s0, e0, *r0), (s1, e1, *r1) = launch(_ordered, None, nprocs=2)
+    (_, e0, *r0), (s1, _, *r1) = launch(_ordered, None, nprocs=2)
     assert s1 >= e0  # rank 1 began after rank 0 ended
     assert r0 == [0, 0, 2] and r1 == [1, 1, 2]
 
@@ -68,6 +72,6 @@ def test_one_process_runs_the_block_and_reads_rank_0_of_1() -> None:
     with main_process_first(local=True):
         ran.append(1)
     assert ran == [1] and (rank(), local_rank(), world_size()) == (0, 0, 1)
-    with pytest.raises(TypeError, match=r"main_process_first\(local='yes'\): local='yes': expected True or False"):
-        with main_process_first(local="yes"):  # type: ignore[arg-type]
-            pass
+    refused = r"main_process_first\(local='yes'\): local='yes': expected True or False"
+    with pytest.raises(TypeError, match=refused), main_process_first(local="yes"):  # type: ignore[arg-type]
+        pass

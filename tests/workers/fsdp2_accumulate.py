@@ -31,7 +31,10 @@ def build():
 
 
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-data = [[(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(CALLS)] for _ in range(EPOCHS)]
+data = [
+    [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(CALLS)]
+    for _ in range(EPOCHS)
+]
 
 
 def by_hand():
@@ -68,7 +71,11 @@ def with_accumulate(**kwargs):
 
 reference = by_hand()
 result = {}
-for name, kwargs in [("plain", {}), ("micro", {"micro_batch_size": 2}), ("auto", {"micro_batch_size": "auto"})]:
+for name, kwargs in [
+    ("plain", {}),
+    ("micro", {"micro_batch_size": 2}),
+    ("auto", {"micro_batch_size": "auto"}),
+]:
     model, refused = with_accumulate(**kwargs)
     to_ref, between = distances(model, reference)
     result[name] = {"to_ref": to_ref, "between": between, "refused": refused}
