@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import warnings
 
 from speedups._helpers import env
+from speedups.errors import SpeedupsWarning
 
 __all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "cpus_per_process", "usable_cpus"]
 
@@ -61,6 +63,23 @@ def cpus_per_process() -> int:
     """Return the CPUs this process may use, shared among the job's processes on this node.
 
     ``usable_cpus() // LOCAL_WORLD_SIZE``: what ``fast_loader(num_workers="auto")`` gives each process,
-    and the top of ``tune_loader``'s grid. 0 when the node runs more processes than it has CPUs.
+    and the top of ``tune_loader``'s grid. 0 when the node runs more processes than it has CPUs. A local
+    world size larger than the whole job's (a ``LOCAL_WORLD_SIZE`` left over in the shell, outside any
+    job) is ignored, with one ``SpeedupsWarning`` that names it.
     """
-    return usable_cpus() // max(1, env.local_world_size())
+    local, world = env.local_world_size(), env.world_size()
+    if local > world:
+        _warn_stale_local_world_size(local, world)
+        local = world
+    return usable_cpus() // max(1, local)
+
+
+@functools.cache
+def _warn_stale_local_world_size(local: int, world: int) -> None:
+    warnings.warn(
+        f"speedups: LOCAL_WORLD_SIZE={local} but the job has {world} process(es) (WORLD_SIZE unset or "
+        f"smaller): a variable left over in the shell? It is ignored, and CPUs are shared among {world} "
+        f"process(es). Unset it (`unset LOCAL_WORLD_SIZE`) outside a launcher.",
+        SpeedupsWarning,
+        stacklevel=4,
+    )

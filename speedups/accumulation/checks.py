@@ -78,6 +78,11 @@ def check_arguments(
 
 def _optimizers(optimizer: Any, every: int) -> tuple[torch.optim.Optimizer, ...]:
     """``optimizer=`` as a tuple: one optimizer, or a list/tuple of distinct ones sharing no parameter."""
+    if optimizer is None:
+        raise TypeError(
+            f"optimizer=None: accumulate needs the optimizer it steps at every boundary. Write "
+            f"accumulate({every}, torch.optim.SGD(model.parameters(), lr=0.1))."
+        )
     given = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
     fix = f"Write accumulate({every}, optimizer) or accumulate({every}, [backbone_opt, head_opt])."
     if not given:

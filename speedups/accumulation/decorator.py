@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def accumulate(
     every: int,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     scheduler: Any = None,
     max_grad_norm: float | None = None,
@@ -93,12 +93,23 @@ def accumulate(
         >>> train_step.flush(); train_step.num_updates, train_step.pending
         (3, 0)
     """
+    if callable(every) and not isinstance(every, type):
+        raise TypeError(
+            f"@accumulate above {getattr(every, '__name__', 'a function')}: accumulate takes its window and "
+            f"its optimizer first. Write @accumulate(4, optimizer) above `def train_step(...)`."
+        )
     every, optimizers, schedulers, max_grad_norm = check_arguments(
         every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
     )
     check_micro_batching(micro_batch_size, split, every)
 
     def decorator(fn: F) -> F:
+        if _already_a_step(fn):
+            raise TypeError(
+                f"accumulate({every!r}, optimizer)({getattr(fn, '__name__', 'step')}): the function is "
+                f"already an @accumulate step (stacked twice?), whose call returns a detached loss. Decorate "
+                f"the plain function once: one @accumulate(N, [opt_a, opt_b]) can step several optimizers."
+            )
         if isinstance(fn, type) or not callable(fn):
             what = fn.__name__ if isinstance(fn, type) else repr(fn)
             raise TypeError(
@@ -119,3 +130,15 @@ def accumulate(
         return Step(fn, acc)  # type: ignore[return-value]
 
     return decorator
+
+
+def _already_a_step(fn: object) -> bool:
+    """Whether ``fn`` or a function it wraps (``__wrapped__``: mixed_precision, functools.wraps) is a Step."""
+    for _ in range(16):
+        if issubclass(type(fn), Step):
+            return True
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or inner is fn:
+            return False
+        fn = inner
+    return False

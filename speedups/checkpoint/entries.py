@@ -15,7 +15,15 @@ from speedups._helpers import env
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 
-__all__ = ["check_path", "collective", "fsdp_type", "is_plain", "saved_object", "split_state"]
+__all__ = [
+    "check_path",
+    "collective",
+    "fsdp_type",
+    "is_plain",
+    "refuse_positional",
+    "saved_object",
+    "split_state",
+]
 
 _PLAIN = (type(None), bool, int, float, str, torch.Tensor)
 
@@ -95,3 +103,28 @@ def check_path(call: str, path: Any) -> Path:
 def saved_object(obj: Any) -> Any:
     """The object whose state is saved: a model without its DDP / DataParallel / torch.compile wrappers."""
     return unwrap(obj) if isinstance(obj, nn.Module) else obj
+
+
+def refuse_positional(call: str, objects: tuple[Any, ...]) -> None:
+    """Objects given by position (``save_checkpoint(path, model)``) have no name to be saved or found under.
+
+    Raises:
+        TypeError: ``objects`` is not empty (the message suggests names from the objects' kinds).
+    """
+    if not objects:
+        return
+    names = []
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            names.append("model=model")
+        elif isinstance(obj, torch.optim.Optimizer):
+            names.append("optimizer=optimizer")
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            names.append("scheduler=scheduler")
+        else:
+            names.append(f"{type(obj).__name__.lower()}=...")
+    kinds = ", ".join(type(o).__name__ for o in objects)
+    raise TypeError(
+        f"{call}(path, <{kinds}>): objects go by name, the name they are saved under and loaded from. "
+        f"Write {call}(path, {', '.join(names)})."
+    )

@@ -19,7 +19,7 @@ from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import file_format
 from speedups.checkpoint.checks import check_entry, is_checked
-from speedups.checkpoint.entries import check_path, fsdp_type, saved_object, split_state
+from speedups.checkpoint.entries import check_path, fsdp_type, refuse_positional, saved_object, split_state
 from speedups.checkpoint.rng_states import rng_of_this_rank
 from speedups.checkpoint.sharded import load_sharded
 from speedups.errors import SpeedupsError
@@ -28,7 +28,11 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, keys: Mapping[str, str] | None = None, strict: bool = True, **state: Any
+    path: str | os.PathLike[str],
+    *unnamed: Any,
+    keys: Mapping[str, str] | None = None,
+    strict: bool = True,
+    **state: Any,
 ) -> dict[str, Any]:
     """Load a checkpoint into the named objects, after checking every entry; return its plain values.
 
@@ -64,8 +68,9 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        TypeError, ValueError: a value has no ``load_state_dict``; ``keys`` is not a dict of names, or
-            names an object not passed; an entry a speedups object refuses.
+        TypeError, ValueError: a value has no ``load_state_dict``, or comes by position (it needs its
+            name); ``keys`` is not a dict of names, or names an object not passed; an entry a speedups
+            object refuses.
         SpeedupsError: the file is a directory, empty, truncated, damaged or not a dict (the message names
             it); an entry is missing; a model, optimizer or scheduler does not match it. Nothing has
             changed when it raises.
@@ -78,6 +83,7 @@ def load_checkpoint(
         >>> load_checkpoint(path, model=torch.nn.Linear(2, 1), keys={"model": "state_dict"})
         {'epoch': 3}
     """
+    refuse_positional("load_checkpoint", unnamed)
     objects, extra = split_state("load_checkpoint", state, allow_empty=True)
     if extra:
         raise TypeError(

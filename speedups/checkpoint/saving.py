@@ -20,7 +20,14 @@ from speedups._helpers import env
 from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import get_rng_states
 from speedups.checkpoint import file_format
-from speedups.checkpoint.entries import check_path, collective, fsdp_type, saved_object, split_state
+from speedups.checkpoint.entries import (
+    check_path,
+    collective,
+    fsdp_type,
+    refuse_positional,
+    saved_object,
+    split_state,
+)
 from speedups.checkpoint.rng_states import gather_rng
 from speedups.checkpoint.sharded import save_sharded
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -31,7 +38,7 @@ ALONE_AFTER_S = 5.0
 """Seconds rank 0 waits for the other ranks in ``save_checkpoint`` before it saves alone."""
 
 
-def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
+def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -> Path:
     """Save every named object's ``state_dict()``, plain values and every rank's RNG states to ``path``.
 
     Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the RNG
@@ -61,7 +68,7 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
         ``path`` as a ``Path``.
 
     Raises:
-        TypeError: a value is neither stateful nor plain data.
+        TypeError: a value is neither stateful nor plain data; an object given by position (it needs a name).
         ValueError: nothing passed, or a name starts with ``_``.
         SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank);
             rank 0 alone with FSDP2 or a window in progress; a rank other than 0 alone, at the collective
@@ -78,6 +85,7 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
         >>> load_checkpoint(path, model=nn.Linear(2, 1))
         {'step': 3}
     """
+    refuse_positional("save_checkpoint", unnamed)
     path = check_path("save_checkpoint", path)
     objects, plain = split_state("save_checkpoint", state)
     fsdp = fsdp_type()

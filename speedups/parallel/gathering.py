@@ -111,12 +111,18 @@ def _indices(loader: DataLoader, n: int) -> torch.Tensor:
             "the evaluation loop over that loader."
         )
     given = list(loader.distributed_sampler)  # this rank's indices in the last pass (same epoch, same start)
-    if n > len(given):
+    batch_size = loader.batch_size
+    yielded = len(given)
+    if loader.drop_last and batch_size:  # the last, incomplete batch was never handed out
+        yielded -= yielded % batch_size
+    if n != yielded:
         raise ValueError(
-            f"gather(x, loader): x has {n} rows but the loader gave this rank {len(given)} samples in its "
-            f"last pass. Pass one row per sample, concatenated over exactly that pass."
+            f"gather(x, loader): x has {n} rows but the loader gave this rank {yielded} samples in its last "
+            f"pass. Pass one row per sample, concatenated over exactly that whole pass (a loop that stopped "
+            f"early, or kept some batches only, gives rows that cannot be matched to samples): "
+            f"torch.cat([model(x) for x, _ in loader])."
         )
-    return torch.tensor(given[:n], dtype=torch.int64)  # fewer rows: drop_last, or a loop stopped early
+    return torch.tensor(given[:n], dtype=torch.int64)
 
 
 def _all_gather(leaves: list[torch.Tensor], n: int, indices: torch.Tensor | None) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from speedups import SpeedupsError, SpeedupsWarning
 from speedups.accumulation import accumulate
+from speedups.precision import mixed_precision
 from tests._bench import run_quick
 from tests._dist import WORKERS, run_torchrun
 from tests._models import FakeFSDP2, linear_data, mlp, reference_step, twin
@@ -618,7 +619,6 @@ def test_stepping_the_optimizer_by_hand_mid_window_warns_once(inside_check: bool
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_the_steps_own_updates_and_flush_never_warn(dtype: str) -> None:
-    from speedups.precision import mixed_precision
 
     model, opt, _, _ = twin()
 
@@ -667,3 +667,19 @@ def test_fsdp2_windows_micro_batches_and_short_windows_equal_a_hand_written_fsdp
             assert result[name]["to_ref"] < 1e-6, (rank, name, result)
             assert result[name]["between"] == 0.0, (rank, name, result)
             assert result[name]["refused"] is True, (rank, name, result)
+
+
+def test_accumulate_used_bare_without_an_optimizer_or_twice_says_how_to_write_it() -> None:
+    model, opt, _, _ = twin()
+    with pytest.raises(TypeError, match=r"@accumulate above step: .* Write @accumulate\(4, optimizer\)"):
+
+        @accumulate
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return model(x).sum()
+
+    with pytest.raises(TypeError, match=r"optimizer=None: accumulate needs the optimizer"):
+        accumulate(4)
+    inner = accumulate(2, opt)(lambda x: model(x).sum())
+    for outer in (inner, mixed_precision("bf16", device_type="cpu")(inner)):
+        with pytest.raises(TypeError, match=r"already an @accumulate step \(stacked twice\?\)"):
+            accumulate(2, opt)(outer)

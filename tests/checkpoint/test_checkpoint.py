@@ -497,3 +497,17 @@ def test_strict_false_loads_a_backbone_into_a_model_with_a_new_head(tmp_path) ->
     )  # the new head kept its init
     with pytest.raises(TypeError, match=r"strict=1: expected True or False"):
         load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=1)
+
+
+def test_objects_given_by_position_are_refused_with_their_names_as_the_fix(tmp_path) -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(path, <Linear, SGD>\): objects go by name.* "
+                       r"save_checkpoint\(path, model=model, optimizer=optimizer\)"):  # fmt: skip
+        save_checkpoint(tmp_path / "ckpt.pt", model, opt)
+    assert not (tmp_path / "ckpt.pt").exists()
+    save_checkpoint(tmp_path / "ckpt.pt", model=model)
+    with pytest.raises(
+        TypeError, match=r"load_checkpoint\(path, <Linear>\).*load_checkpoint\(path, model=model\)"
+    ):
+        load_checkpoint(tmp_path / "ckpt.pt", model)

@@ -129,6 +129,7 @@ def test_spawn_workers_run_the_seeding_and_the_users_init() -> None:
 # ------------------------------------------------------------------------------------- fast_loader defaults
 def test_auto_workers_use_affinity_divided_by_local_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")  # a job of 16 processes; the node runs LOCAL_WORLD_SIZE of them
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     loader = fast_loader(list(range(16)), 4)
     assert loader.num_workers == 4
@@ -148,6 +149,7 @@ def test_prefetch_keeps_four_batches_in_flight(monkeypatch: pytest.MonkeyPatch) 
     assert fast_loader(list(range(4)), 2, num_workers=2).prefetch_factor == 2
     assert fast_loader(list(range(4)), 2, num_workers=0).prefetch_factor is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # less than one CPU each: no workers, no worker settings
     loader = fast_loader(list(range(4)), 2, prefetch_factor=4, multiprocessing_context="spawn")
     assert loader.num_workers == 0 and loader.prefetch_factor is None
@@ -263,3 +265,11 @@ def test_a_dataloader_passed_as_dataset_is_refused_with_its_dataset_as_the_fix()
     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4)
     with pytest.raises(TypeError, match=r"dataset is already a DataLoader.*fast_loader\(loader.dataset, 64"):
         fast_loader(loader, 64)
+
+
+def test_a_leftover_local_world_size_outside_a_job_is_ignored_and_named(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.warns(SpeedupsWarning, match=r"LOCAL_WORLD_SIZE=8 but the job has 1 process"):
+        loader = fast_loader(list(range(8)), 2)
+    assert loader.num_workers == 4  # this process's CPUs, not 4 // 8 = 0

@@ -113,3 +113,16 @@ def test_gather_bad_input() -> None:
     _eval(split)
     with pytest.raises(SpeedupsError, match="no process group is running"):
         gather(torch.zeros(5, 3), split)
+
+
+def test_rows_that_do_not_match_the_loaders_pass_are_refused_both_ways() -> None:
+    loader = distributed(DataLoader(_data(10), batch_size=4))
+    x = torch.cat([_model(xb) for xb, _ in loader])
+    assert gather(x, loader).shape == (10, 3)
+    with pytest.raises(
+        ValueError, match=r"x has 8 rows but the loader gave this rank 10 samples.*whole pass"
+    ):
+        gather(x[:8], loader)  # a loop that stopped early: its rows cannot be matched to samples
+    dropping = distributed(DataLoader(_data(10), batch_size=4, drop_last=True))
+    rows = torch.cat([_model(xb) for xb, _ in dropping])
+    assert rows.shape[0] == 8 and torch.equal(gather(rows, dropping), rows)  # the dropped tail is no row
