@@ -5,6 +5,7 @@ holding out 20% for test, and prints the final line ``test_accuracy=<float>`` fo
 ``--dataset mnist --data-root DIR`` trains on MNIST through torchvision instead.
 
     python examples/train_digits.py                      # digits, about 10 s on 2 CPU cores
+    python examples/train_digits.py --log-dir runs/digits   # + metrics.csv (TensorBoard) and curves.png
     python examples/train_digits.py --dataset mnist --data-root ./data --download
 
 What speedups changes against the plain loop (each marked ``# speedups`` below):
@@ -14,6 +15,8 @@ What speedups changes against the plain loop (each marked ``# speedups`` below):
   big batch (``--accumulate 4`` trains with batches of 4 x 64 in the memory of 64).
 - ``--micro-batch-size auto`` splits each batch into micro-batches that fit, found on out of memory while
   training (``N`` splits into micro-batches of N rows): the same gradients as the whole batch.
+- ``MetricLogger`` (``--log-dir``) logs every optimizer step's loss and learning rate from device tensors
+  without a sync, and ``plot_metrics`` draws the curves to ``curves.png``.
 - ``mixed_precision()`` runs the forward pass in 16-bit autocast (``--precision auto`` picks what this device
   is fast at, and stays in fp32 with a warning where 16-bit would be slower; fp16 adds loss scaling).
 """
@@ -21,6 +24,7 @@ What speedups changes against the plain loop (each marked ``# speedups`` below):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -30,7 +34,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-from speedups import LossTracker, accumulate, fast_loader, mixed_precision, resolve_device, to_device
+from speedups import (
+    LossTracker,
+    MetricLogger,
+    accumulate,
+    fast_loader,
+    mixed_precision,
+    plot_metrics,
+    resolve_device,
+    to_device,
+)
 
 
 def load_digits_split(seed: int) -> tuple[TensorDataset, TensorDataset]:
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> float:
         "--micro-batch-size", default=None, help='rows per forward/backward: an int, or "auto" (found on OOM)'
     )
     parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
+    parser.add_argument("--log-dir", default=None, help="write metrics.csv (and TensorBoard) and curves.png")
     args = parser.parse_args(argv)
     micro = args.micro_batch_size
     micro = int(micro) if micro is not None and micro.isdigit() else micro  # "auto" stays a string
@@ -147,6 +161,12 @@ def main(argv: list[str] | None = None) -> float:
     def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         return F.cross_entropy(model(x), y), len(y)  # mean loss of the micro-batch, and its sample count
 
+    logger = None
+    if args.log_dir is not None:  # speedups: per-update metrics from device tensors, no sync per step
+        tensorboard = importlib.util.find_spec("tensorboard") is not None
+        logger = MetricLogger(args.log_dir, sinks=["csv", "tensorboard"] if tensorboard else "csv")
+        train_step.on_update(logger.log_update)  # loss, lr and items of every optimizer step
+
     for epoch in range(args.epochs):
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, file=sys.stderr)
         start, seen = time.perf_counter(), 0
@@ -161,11 +181,20 @@ def main(argv: list[str] | None = None) -> float:
                 print(f"micro_batch_size={micro!r}: {now}")
             if step % 10 == 0:  # reading the tracker is one sync: do it now and then, not every step
                 rate = seen / (time.perf_counter() - start)
-                bar.set_postfix(loss=f"{tracker:.4f}", samples_per_s=f"{rate:.0f}")
+                if logger is not None:  # the logger's values that have landed: host values, no sync
+                    bar.set_postfix(**logger.postfix(), samples_per_s=f"{rate:.0f}")
+                else:
+                    bar.set_postfix(loss=f"{tracker:.4f}", samples_per_s=f"{rate:.0f}")
         train_step.flush()  # speedups: a short last window is applied now, not carried into the next epoch
         train_loss = tracker.end_epoch()  # one sync per epoch
         accuracy = evaluate(model, test_loader, device)
         print(f"epoch {epoch + 1}: train_loss={train_loss:.4f} test_accuracy={accuracy:.4f}")
+        if logger is not None:
+            logger.log(train_step.num_updates, train_loss=train_loss, test_accuracy=accuracy)
+
+    if logger is not None:
+        logger.close()
+        print(f"curves: {plot_metrics(args.log_dir)}")  # speedups: one panel per metric, x = update
 
     print(f"test_accuracy={accuracy:.4f}")  # the line scripts parse
     return accuracy

@@ -9,6 +9,7 @@ from speedups.checkpoint import checkpoint_values, load_checkpoint, save_checkpo
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.metrics import MetricLogger
 from speedups.parallel import (
     ddp_wrap,
     destroy_distributed,
@@ -24,6 +25,7 @@ from speedups.parallel import (
     seed_everything,
     world_size,
 )
+from speedups.plot import plot_metrics
 from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model
@@ -36,6 +38,7 @@ __all__ = [
     "DistributedLoader",
     "LoaderReport",
     "LossTracker",
+    "MetricLogger",
     "SpeedupsError",
     "SpeedupsWarning",
     "StepProfiler",
@@ -59,6 +62,7 @@ __all__ = [
     "load_checkpoint",
     "main_process_first",
     "mixed_precision",
+    "plot_metrics",
     "profile_steps",
     "rank",
     "rank_zero_only",

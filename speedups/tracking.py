@@ -197,6 +197,19 @@ class LossTracker:
         self._values.clear()
         self._weights.clear()
 
+    def totals(self) -> torch.Tensor:
+        """The weighted sum and the count of the finite values so far: a float64 tensor of shape ``(2,)``.
+
+        No host-device sync and no collective: on the device of the recorded tensors (the CPU for Python
+        numbers; float32 on MPS). The mean is ``totals[0] / totals[1]``, what :meth:`compute` returns for
+        this rank. For readers that must not sync now, e.g. :class:`~speedups.MetricLogger`.
+        """
+        self._fold()
+        host = torch.tensor(self._host[:2], dtype=torch.float64)
+        if self._state is None:
+            return host
+        return self._state[:2] + host.to(device=self._state.device, dtype=self._state.dtype)
+
     # ------------------------------------------------------------------------------------------- read
     def _totals(self) -> tuple[float, float, float]:
         """Return (weighted sum, count, non-finite count) as Python floats. One sync if on a device."""

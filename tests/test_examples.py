@@ -73,3 +73,22 @@ def test_loss_tracker_only_example_loss_goes_down() -> None:
     assert out.returncode == 0, out.stderr
     losses = [float(v) for v in re.findall(r"train_loss=([\d.]+)", out.stdout)]
     assert len(losses) == 3 and losses[2] < losses[0] / 10
+
+
+def test_train_digits_log_dir_writes_the_metrics_and_their_picture(tmp_path: Path) -> None:
+    import csv
+
+    run = tmp_path / "digits"
+    out = run_example("examples/train_digits.py", "--epochs", "2", "--device", "cpu", "--log-dir", str(run))
+    assert out.returncode == 0, out.stderr
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    updates = [r for r in rows if r["loss"]]
+    assert [int(r["step"]) for r in updates] == list(range(1, 47))  # 23 updates an epoch (1437 / 64)
+    epochs = [r for r in rows if r["test_accuracy"]]
+    assert [int(r["step"]) for r in epochs] == [23, 46]
+    printed = re.findall(r"test_accuracy=(\d\.\d{4})", out.stdout)
+    assert [f"{float(r['test_accuracy']):.4f}" for r in epochs] == printed[:2]  # the values printed
+    assert (run / "curves.png").read_bytes()[
+        :4
+    ] == b"\x89PNG" and f"curves: {run / 'curves.png'}" in out.stdout

@@ -85,7 +85,7 @@ def arrive(call: str, *, timeout_s: float | None = None, alone_after_s: float | 
 
 def _message(call: str, arrived: int, world: int, what: str) -> str:
     return (
-        f"{call}() on rank {env.rank()}: {what} for the other ranks; {arrived} of {world} ranks called "
-        f"it. {call}() is collective: every rank must call it at the same point, e.g. not under "
-        f"`if is_main_process():`."
+        f"{call}() on rank {env.rank()}: {what} for the other ranks; {arrived} of {world} ranks reached "
+        f"it. {call}() is collective: every rank must call it at the same point (not under "
+        f"`if is_main_process():`); a rank that failed before it (see its own error) never comes."
     )

@@ -143,7 +143,8 @@ def placement(env: Mapping[str, str] | None = None, *, call: str = "speedups") -
 
     Raises:
         SpeedupsError: a negative value, ``RANK >= WORLD_SIZE``, ``LOCAL_RANK >= LOCAL_WORLD_SIZE``,
-            ``LOCAL_WORLD_SIZE > WORLD_SIZE``, or a rank variable without the matching world size.
+            ``LOCAL_WORLD_SIZE > WORLD_SIZE``, or a rank variable without the matching world size (torchrun's
+            ``RANK`` and ``WORLD_SIZE`` always come together: one alone is a leftover in the shell).
     """
     environment = detect(env)
     notice = environment.notice()
@@ -156,7 +157,10 @@ def placement(env: Mapping[str, str] | None = None, *, call: str = "speedups") -
         f"LOCAL_WORLD_SIZE={here.local_world_size}"
     )
     problem = None
-    if min(here.rank, here.local_rank) < 0 or min(here.world_size, here.local_world_size) < 1:
+    missing = [] if env is None and pg_ready() else environment.missing()
+    if missing:
+        problem = f"{' and '.join(missing)} not set, though a launcher sets them all: left over in the shell?"
+    elif min(here.rank, here.local_rank) < 0 or min(here.world_size, here.local_world_size) < 1:
         problem = "ranks must be >= 0 and world sizes >= 1"
     elif here.rank >= here.world_size:
         problem = "the global rank must be below the world size"

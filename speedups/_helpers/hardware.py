@@ -68,7 +68,7 @@ def cpus_per_process() -> int:
     job) is ignored, with one ``SpeedupsWarning`` that names it.
     """
     local, world = env.local_world_size(), env.world_size()
-    if local > world:
+    if not 1 <= local <= world:
         _warn_stale_local_world_size(local, world)
         local = world
     return usable_cpus() // max(1, local)
@@ -77,8 +77,8 @@ def cpus_per_process() -> int:
 @functools.cache
 def _warn_stale_local_world_size(local: int, world: int) -> None:
     warnings.warn(
-        f"speedups: LOCAL_WORLD_SIZE={local} but the job has {world} process(es) (WORLD_SIZE unset or "
-        f"smaller): a variable left over in the shell? It is ignored, and CPUs are shared among {world} "
+        f"speedups: LOCAL_WORLD_SIZE={local} but the job has {world} process(es) (WORLD_SIZE unset, or "
+        f"a node count that cannot be): a variable left over in the shell? It is ignored, and CPUs are shared among {world} "
         f"process(es). Unset it (`unset LOCAL_WORLD_SIZE`) outside a launcher.",
         SpeedupsWarning,
         stacklevel=4,

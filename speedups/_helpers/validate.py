@@ -54,7 +54,7 @@ def _fix(name: str, example: str | None) -> str:
 def flag(value: object, name: str) -> bool:
     """Return ``value`` if it is a bool; else raise ``TypeError`` naming ``name``."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: expected True or False, got {type(value).__name__}.")
+        raise TypeError(f"{name}={short(value)}: expected True or False, got {type(value).__name__}.")
     return value
 
 
@@ -80,9 +80,9 @@ def integer(
     allowed += " or None" if none_ok else ""
     if isinstance(value, bool) or not isinstance(value, int):
         got = type(value).__name__
-        raise TypeError(f"{name}={value!r}: expected {allowed}, got {got}.{_fix(name, example)}")
+        raise TypeError(f"{name}={short(value)}: expected {allowed}, got {got}.{_fix(name, example)}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name}={value!r}: must be {allowed}.{_fix(name, example)}")
+        raise ValueError(f"{name}={short(value)}: must be {allowed}.{_fix(name, example)}")
     return value
 
 
@@ -110,7 +110,7 @@ def real(
     allowed = f"{kind}{' finite' if finite else ''} number" + (" or None" if none_ok else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         got = type(value).__name__
-        raise TypeError(f"{name}={value!r}: expected {allowed}, got {got}.{_fix(name, example)}")
+        raise TypeError(f"{name}={short(value)}: expected {allowed}, got {got}.{_fix(name, example)}")
     try:
         number = float(value)
     except OverflowError:
@@ -121,7 +121,7 @@ def real(
         or (positive and number <= 0)
         or (non_negative and number < 0)
     ):
-        raise ValueError(f"{name}={value!r}: must be {allowed}.{_fix(name, example)}")
+        raise ValueError(f"{name}={short(value)}: must be {allowed}.{_fix(name, example)}")
     return number
 
 

@@ -132,11 +132,17 @@ def _matching(said: str, what: str, model: nn.Module, saved: Any) -> dict[str, A
         and (not isinstance(state[key], torch.Tensor) or tuple(value.shape) != tuple(state[key].shape))
     )  # fmt: skip
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    loaded = len(own) - len(missing) - len(mismatched)
+    if own and not loaded:
+        raise SpeedupsError(
+            f"{said}: strict=False: none of {what}'s {len(own)} entries is in the checkpoint with its shape "
+            f"(it holds {_few(sorted(state))}): another model, or keys= pointing at the wrong entry."
+        )
     if (missing or unexpected or mismatched) and env.rank() == 0:
         warnings.warn(
-            f"{said}: strict=False: {what} loaded {len(own) - len(missing) - len(mismatched)} of "
-            f"{len(own)} entries; missing from the file {_few(missing)}, unexpected {_few(unexpected)}, "
-            f"another shape {_few(mismatched)} (these keep their current values).",
+            f"{said}: strict=False: {what} loaded {loaded} of {len(own)} entries; these keep their current "
+            f"values: missing from the file {_few(missing)}, another shape {_few(mismatched)}; unused from "
+            f"the file: {_few(unexpected)}.",
             SpeedupsWarning,
             stacklevel=5,  # _matching, check_entry, the comprehension in load_checkpoint, it, the caller
         )

@@ -83,6 +83,7 @@ def load_checkpoint(
         >>> load_checkpoint(path, model=torch.nn.Linear(2, 1), keys={"model": "state_dict"})
         {'epoch': 3}
     """
+    check_path("load_checkpoint", path)
     refuse_positional("load_checkpoint", unnamed)
     objects, extra = split_state("load_checkpoint", state, allow_empty=True)
     if extra:

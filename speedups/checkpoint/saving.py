@@ -85,8 +85,8 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
         >>> load_checkpoint(path, model=nn.Linear(2, 1))
         {'step': 3}
     """
-    refuse_positional("save_checkpoint", unnamed)
     path = check_path("save_checkpoint", path)
+    refuse_positional("save_checkpoint", unnamed)
     objects, plain = split_state("save_checkpoint", state)
     fsdp = fsdp_type()
     sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())

@@ -93,8 +93,23 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
     """The plain values of an FSDP2 checkpoint directory, read by this process alone (no collective)."""
     import torch.distributed.checkpoint as dcp
 
+    said = f"checkpoint_values({str(path)!r})"
+    if not (path / ".metadata").is_file():
+        raise SpeedupsError(
+            f"{said}: a directory, but not an FSDP2 checkpoint (no .metadata in it, as "
+            f"torch.distributed.checkpoint writes). Pass a checkpoint file, or the directory save_checkpoint "
+            f"wrote for an FSDP2 model."
+        )
     state: dict[str, Any] = {"_plain": b""}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except BaseException as err:  # CheckpointException derives from BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise SpeedupsError(
+            f"{said}: torch.distributed.checkpoint could not read its plain values ({type(err).__name__}). "
+            f"Was it written by save_checkpoint with an FSDP2 model?"
+        ) from None
     return dict(_unblob(state["_plain"]))
 
 

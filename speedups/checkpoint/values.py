@@ -56,6 +56,9 @@ def checkpoint_values(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _state_dict_like(value: Any) -> bool:
-    """A dict of tensors by dotted name: a module's state_dict stored in a foreign file, not a value."""
-    tensors = isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values())
-    return bool(value) and tensors
+    """An object's state stored in a foreign file, not a value: a module's state_dict (tensors by name) or an
+    optimizer's (``state`` and ``param_groups``)."""
+    if not isinstance(value, dict) or not value:
+        return False
+    optimizer = {"state", "param_groups"} <= set(value)
+    return optimizer or all(isinstance(v, torch.Tensor) for v in value.values())

@@ -9,6 +9,7 @@ import torch
 
 from speedups._helpers import env, validate
 from speedups._helpers.arrival import arrive
+from speedups.errors import SpeedupsError
 from speedups.parallel.process_group import init_distributed
 
 __all__ = ["main_process_first"]
@@ -23,16 +24,18 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
     first process of each node (local rank 0) goes first: one download per node's disk. In a plain process
     the block just runs. Initialises the process group from the launcher's variables if needed.
 
-    Sync points: two barriers' worth of waiting (one barrier per rank: before the block on the others,
-    after it on the first). Every rank must enter it; one that never does is named after 10 s and fails at
-    the collective timeout.
+    Sync points: one small all-gather per rank (before the block on the others, after it on the first; the
+    first leave as the others enter). Every rank must enter it; one that never does is named after 10 s
+    and fails at the collective timeout. If the block raises on a first rank, the others raise a
+    ``SpeedupsError`` instead of running it on what the failed rank left behind.
 
     Args:
         local: the first process of each node goes first (True), or global rank 0 (False).
 
     Raises:
         TypeError: ``local`` is not a bool.
-        SpeedupsError: some rank never entered it (at the collective timeout).
+        SpeedupsError: some rank never entered it (at the collective timeout), or the block failed on a
+            rank that went first.
 
     Example:
         >>> with main_process_first():
@@ -47,14 +50,26 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
         return
     first = (env.local_rank() if local else env.rank()) == 0
     if not first:
-        _wait_for_the_first()
+        failed = _meet(False)
+        if any(failed):
+            raise SpeedupsError(
+                f"main_process_first(local={local}): the block failed on rank(s) "
+                f"{[r for r, f in enumerate(failed) if f]} (their error is in their own output), so this "
+                f"rank does not run it on what they left behind."
+            )
+        yield
+        return
     try:
         yield
-    finally:
-        if first:
-            _wait_for_the_first()
+    except BaseException:
+        _meet(True)  # the others learn it and raise instead of running on a half-built cache
+        raise
+    _meet(False)
 
 
-def _wait_for_the_first() -> None:
+def _meet(failed: bool) -> list[bool]:
+    """Every rank's flag (did the block fail there?): the one collective that orders the ranks."""
     arrive("main_process_first")
-    torch.distributed.barrier()
+    flags: list[object] = [None] * env.world_size()
+    torch.distributed.all_gather_object(flags, failed)
+    return [bool(f) for f in flags]

@@ -21,12 +21,14 @@ def rank() -> int:
 
     Raises:
         ValueError: a launcher variable is not a whole number.
+        SpeedupsError: the launcher variables contradict each other (``RANK=1`` with no ``WORLD_SIZE``,
+            a leftover in the shell), named in the message.
 
     Example:
         >>> rank(), local_rank(), world_size()
         (0, 0, 1)
     """
-    return env.rank()
+    return env.placement(call="rank()").rank
 
 
 def local_rank() -> int:
@@ -37,7 +39,7 @@ def local_rank() -> int:
     Raises:
         ValueError: a launcher variable is not a whole number.
     """
-    return env.local_rank()
+    return env.placement(call="local_rank()").local_rank
 
 
 def world_size() -> int:
@@ -45,8 +47,9 @@ def world_size() -> int:
 
     Raises:
         ValueError: a launcher variable is not a whole number.
+        SpeedupsError: the launcher variables contradict each other (see ``rank``).
     """
-    return env.world_size()
+    return env.placement(call="world_size()").world_size
 
 
 def is_main_process() -> bool:
@@ -59,12 +62,12 @@ def is_main_process() -> bool:
         >>> is_main_process()
         True
     """
-    return env.rank() == 0
+    return env.placement(call="is_main_process()").rank == 0
 
 
 @wrapt.decorator
 def _rank_zero(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    if env.rank() != 0:
+    if env.placement(call="rank_zero_only").rank != 0:
         return None
     return wrapped(*args, **kwargs)
 
@@ -108,5 +111,5 @@ def rank_zero_print(*args: Any, **kwargs: Any) -> None:
         >>> rank_zero_print("epoch", 1)
         epoch 1
     """
-    if env.rank() == 0:
+    if env.placement(call="rank_zero_print()").rank == 0:
         builtins.print(*args, **kwargs)

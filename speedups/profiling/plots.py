@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from speedups._helpers.figures import agg_figure
+
 __all__ = ["draw_steps"]
 
 
@@ -27,19 +29,10 @@ def draw_steps(path: Path, steps: Sequence[_Step], data_fraction: float) -> Path
     Raises:
         ImportError: matplotlib is not installed (``pip install 'speedups[examples]'``).
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError(
-            "profile_steps().plot() needs matplotlib, which is not installed. "
-            "Install it with `pip install 'speedups[examples]'` (or `pip install matplotlib`)."
-        ) from None
+    fig = agg_figure((8, 3.5), needed_by="profile_steps().plot()")
     indices = range(len(steps))
     data_ms = [r.data_s * 1e3 for r in steps]
     step_ms = [r.step_s * 1e3 for r in steps]
-    fig = Figure(figsize=(8, 3.5))
-    FigureCanvasAgg(fig)  # attaches itself as fig.canvas: savefig renders with Agg, whatever the backend
     ax = fig.subplots()
     ax.bar(indices, data_ms, color="#dd8452", label="waiting for data")
     ax.bar(indices, step_ms, bottom=data_ms, color="#4c72b0", label="in the step")

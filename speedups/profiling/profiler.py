@@ -294,6 +294,17 @@ class StepProfiler:
             self._mistakes.step_ended(loss_refs)
 
     # ------------------------------------------------------------------------------------------ results
+    @property
+    def samples_per_s(self) -> float | None:
+        """The last finished step's samples per second (its batch over its data wait and step time): a
+        host float, no sync, for a per-step log (``logger.log(step, samples_per_s=prof.samples_per_s)``);
+        None before a step with a known batch size finished."""
+        last = self.steps[-1] if self.steps else None
+        if last is None or last.samples is None:
+            return None
+        seconds = last.data_s + last.step_s
+        return last.samples / seconds if seconds > 0 else None
+
     def summary(self) -> Summary:
         """Aggregate the recorded steps (one sync on a GPU, to read the CUDA events).
 

@@ -189,3 +189,15 @@ def test_a_malformed_launcher_variable_is_an_error_whichever_value_is_read(read)
         read(bad)
     with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
         _env.cuda_index(bad, count=1)
+
+
+@pytest.mark.parametrize(
+    ("leftover", "missing"), [({"WORLD_SIZE": "2"}, "RANK"), ({"RANK": "1"}, "WORLD_SIZE")]
+)
+def test_a_launcher_variable_left_alone_in_the_shell_is_named(monkeypatch, leftover, missing) -> None:
+    from speedups import rank_zero_print, world_size
+
+    _only(monkeypatch, leftover)
+    for call in (world_size, lambda: rank_zero_print("x"), lambda: distributed(DataLoader(list(range(10))))):
+        with pytest.raises(SpeedupsError, match=rf"{missing} not set, though a launcher sets them all"):
+            call()

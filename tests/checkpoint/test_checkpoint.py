@@ -483,8 +483,8 @@ def test_strict_false_loads_a_backbone_into_a_model_with_a_new_head(tmp_path) ->
     assert torch.equal(model[2].weight, head_before[0])
     with pytest.warns(
         SpeedupsWarning,
-        match=r"strict=False: model loaded 2 of 6 entries; missing from the file "
-        r"\['3.bias', '3.weight'\], unexpected \[\], another shape \['2.bias', '2.weight'\]",
+        match=r"strict=False: model loaded 2 of 6 entries; these keep their current values: missing from the "
+        r"file \['3.bias', '3.weight'\], another shape \['2.bias', '2.weight'\]; unused from the file: \[\]",
     ) as rec:
         values = load_checkpoint(tmp_path / "ckpt.pt", model=model, strict=False)
     assert values == {"epoch": 5} and rec[0].filename == __file__
@@ -511,3 +511,29 @@ def test_objects_given_by_position_are_refused_with_their_names_as_the_fix(tmp_p
         TypeError, match=r"load_checkpoint\(path, <Linear>\).*load_checkpoint\(path, model=model\)"
     ):
         load_checkpoint(tmp_path / "ckpt.pt", model)
+
+
+def test_checkpoint_values_of_odd_files_and_directories(tmp_path) -> None:
+    from speedups import checkpoint_values
+
+    bare = tmp_path / "bare.pt"
+    torch.save({"w": torch.zeros(3), "epoch": 2}, bare)  # a bare state_dict-like file: its tensors are values
+    values = checkpoint_values(bare)
+    assert sorted(values) == ["epoch", "w"] and torch.equal(values["w"], torch.zeros(3))
+    model = nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torch.save({"optimizer": opt.state_dict(), "step": 1}, tmp_path / "opt.pt")
+    assert checkpoint_values(tmp_path / "opt.pt") == {"step": 1}  # an optimizer's state is no value
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(SpeedupsError, match=r"a directory, but not an FSDP2 checkpoint \(no .metadata"):
+        checkpoint_values(tmp_path / "dir")
+
+
+def test_strict_false_that_loads_nothing_and_a_path_in_the_wrong_place_are_errors(tmp_path) -> None:
+    save_checkpoint(tmp_path / "ckpt.pt", model=nn.Linear(4, 8))
+    with pytest.raises(SpeedupsError, match=r"strict=False: none of model's 2 entries is in the checkpoint"):
+        load_checkpoint(tmp_path / "ckpt.pt", model=nn.Linear(3, 3), strict=False)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(path=Linear.*expected the checkpoint's file name"):
+        save_checkpoint(nn.Linear(2, 1), tmp_path / "x.pt")

@@ -75,3 +75,23 @@ def test_one_process_runs_the_block_and_reads_rank_0_of_1() -> None:
     refused = r"main_process_first\(local='yes'\): local='yes': expected True or False"
     with pytest.raises(TypeError, match=refused), main_process_first(local="yes"):  # type: ignore[arg-type]
         pass
+
+
+def _first_fails(_: object) -> str:
+    from speedups import SpeedupsError
+
+    try:
+        with main_process_first():
+            if rank() == 0:
+                raise ValueError("the cache could not be built")
+            return "ran the block"
+    except (ValueError, SpeedupsError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_when_the_first_rank_fails_the_others_raise_instead_of_running_the_block() -> None:
+    first, other = launch(_first_fails, None, nprocs=2)
+    assert first == "ValueError: the cache could not be built"
+    assert other.startswith("SpeedupsError: main_process_first(local=False): the block failed on rank(s) [0]")

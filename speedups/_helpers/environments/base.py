@@ -93,6 +93,10 @@ class LaunchEnvironment:
         """
         return self.rank(), self.local_rank(), self.world_size(), self.local_world_size()
 
+    def missing(self) -> list[str]:
+        """The variables this launcher always sets that are missing (a leftover of a job in the shell)."""
+        return []
+
     def states_local_world_size(self) -> bool:
         """Whether the launcher set the local world size (only then can it contradict the local rank)."""
         return False

@@ -35,6 +35,9 @@ class TorchElastic(LaunchEnvironment):
     def local_world_size(self) -> int:
         return read_int(self.env, ("LOCAL_WORLD_SIZE",), 1)
 
+    def missing(self) -> list[str]:
+        return [name for name in ("RANK", "WORLD_SIZE") if not self.env.get(name)]
+
     def states_local_world_size(self) -> bool:
         return bool(self.env.get("LOCAL_WORLD_SIZE"))
 

@@ -1,0 +1,50 @@
+"""The interface every metric sink implements: rows of ``(step, {name: value})`` written in step order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["Sink", "run_file"]
+
+
+class Sink:
+    """Where :class:`~speedups.MetricLogger` writes its rows (on the writing rank only).
+
+    A new sink (a tracker of your own) is a subclass in a file of its own and, to be chosen by name, one
+    entry in :data:`~speedups.metrics.sinks.registry.SINKS`; any object with ``log_metrics(dict, step)``
+    works without either (:class:`~speedups.metrics.sinks.tracker.TrackerSink`).
+
+    Attributes:
+        name: the sink's short name (``"csv"``), used in messages.
+    """
+
+    name = "sink"
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        """Write one row: the values logged at ``step`` (Python floats; NaN where a value is not finite)."""
+        raise NotImplementedError
+
+    def resume(self, after_step: int) -> None:
+        """A resumed run appends after ``after_step``: forget (or hide) whatever was written later."""
+
+    def flush(self) -> None:
+        """Make what was written durable (a file flushed, a tracker's buffer sent)."""
+
+    def close(self) -> None:
+        """Flush and release the sink's resources; called once."""
+        self.flush()
+
+
+def run_file(log_dir: Path | None, name: str, sink: str) -> Path:
+    """The file ``name`` in ``log_dir`` for a file sink (the directory is made when first written).
+
+    Raises:
+        ValueError: no ``log_dir`` was given.
+    """
+    if log_dir is None:
+        raise ValueError(
+            f"MetricLogger(sinks={sink!r}): a {sink} sink writes a file, so it needs log_dir. Write "
+            f"MetricLogger('runs/my_run', sinks={sink!r})."
+        )
+    return log_dir / name

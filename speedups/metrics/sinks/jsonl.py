@@ -1,0 +1,52 @@
+"""A JSON-lines file: one object per step, ``{"step": 3, "loss": 0.5, ...}``."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+from speedups.metrics.sinks.base import Sink
+
+__all__ = ["JSONLinesSink"]
+
+
+class JSONLinesSink(Sink):
+    """One JSON object per row in ``path`` (non-finite values as ``null``). Opened when the first row is
+    written: a new run starts the file afresh, a resumed one keeps the lines up to its step."""
+
+    name = "jsonl"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        self._resume_after: int | None = None
+
+    def resume(self, after_step: int) -> None:
+        self._resume_after = after_step
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        if self._file is None:
+            kept: list[str] = []
+            if self._resume_after is not None and self.path.exists():
+                kept = [
+                    line
+                    for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) <= self._resume_after
+                ]
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w")  # noqa: SIM115 - kept open across writes
+            self._file.writelines(line + "\n" for line in kept)
+        row = {"step": step, **{k: (float(v) if math.isfinite(v) else None) for k, v in values.items()}}
+        self._file.write(json.dumps(row) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,64 @@
+"""plot_metrics / python -m speedups.plot: the logged curves as a PNG, on a figure of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedups import MetricLogger, plot_metrics
+from speedups.plot import read_metrics
+from tests._dist import ROOT
+
+matplotlib = pytest.importorskip("matplotlib")
+
+
+def _run(tmp_path: Path, sinks: str = "csv") -> Path:
+    with MetricLogger(tmp_path, sinks=sinks) as logger:
+        for step in range(5):
+            logger.log(step, loss=torch.tensor(1.0 / (step + 1)), lr=0.1)
+        logger.log(4, accuracy=0.9)
+    return tmp_path
+
+
+@pytest.mark.parametrize("sinks", ["csv", "jsonl"])
+def test_the_curves_are_read_back_and_drawn_one_panel_per_metric(tmp_path: Path, sinks: str) -> None:
+    run = _run(tmp_path, sinks)
+    curves = read_metrics(run)
+    assert sorted(curves) == ["accuracy", "loss", "lr"]
+    assert curves["loss"] == [(s, pytest.approx(1.0 / (s + 1))) for s in range(5)]
+    assert curves["accuracy"] == [(4, 0.9)]
+    backend = matplotlib.get_backend()
+    png = plot_metrics(run)
+    assert png == run / "curves.png" and png.read_bytes()[:4] == b"\x89PNG"
+    assert matplotlib.get_backend() == backend  # the user's backend was never switched
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(png) as image:
+        assert image.size == (1200, 280)  # three panels side by side, 4 x 2.8 inches at 100 dpi
+
+
+def test_missing_or_empty_sources_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"holds no metrics\.csv or metrics\.jsonl"):
+        plot_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        plot_metrics(tmp_path / "nope.csv")
+    (tmp_path / "metrics.csv").write_text("step\n")
+    with pytest.raises(ValueError, match="no metric in it"):
+        plot_metrics(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_command_line_draws_to_the_file_given(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "speedups.plot", str(run / "metrics.csv"), "-o", str(tmp_path / "c.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (
+        out.stdout.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    )
