@@ -78,8 +78,8 @@ def cpus_per_process() -> int:
 def _warn_stale_local_world_size(local: int, world: int) -> None:
     warnings.warn(
         f"speedups: LOCAL_WORLD_SIZE={local} but the job has {world} process(es) (WORLD_SIZE unset, or "
-        f"a node count that cannot be): a variable left over in the shell? It is ignored, and CPUs are shared among {world} "
-        f"process(es). Unset it (`unset LOCAL_WORLD_SIZE`) outside a launcher.",
+        f"a node count that cannot be): a variable left over in the shell? It is ignored, and CPUs are "
+        f"shared among {world} process(es). Unset it (`unset LOCAL_WORLD_SIZE`) outside a launcher.",
         SpeedupsWarning,
         stacklevel=4,
     )
