@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import csv
 import importlib.util
 import json
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedups import LossTracker, MetricLogger, SpeedupsError, accumulate
+from speedups import LossTracker, MetricLogger, SpeedupsError, accumulate, load_checkpoint, save_checkpoint
 from speedups.metrics import logger as logger_module
 from speedups.metrics.sinks import Sink
 from tests._models import linear_data, twin
@@ -77,7 +76,9 @@ def test_log_makes_no_sync_device_values_are_read_at_the_flush(monkeypatch, tmp_
         for step, values in _logged():
             tracker.update(values["loss"])
             logger.log(step, **values, norm=values["loss"] * 2, mean=tracker)
-    assert counter.count == 0  # five metrics a step, six steps: nothing read yet
+        shown = logger.postfix()
+    assert counter.count == 0  # five metrics a step, six steps, and the postfix: nothing read yet
+    assert shown == {"lr": f"{0.1 / 6:.4g}", "tokens": "160"}  # host values only, the latest
     assert not (tmp_path / "metrics.csv").exists()
     with SyncCounter() as counter:
         logger.flush()
@@ -94,12 +95,12 @@ def test_a_resumed_run_writes_every_step_once(tmp_path: Path) -> None:
     """Save at step 5, go on to step 8, crash; the resumed run appends from step 6: no duplicate, no gap."""
     logger = MetricLogger(tmp_path, sinks=["csv", "jsonl"])
     for step in range(9):
-        logger.log(step, loss=float(step))
+        logger.log(step, loss=torch.tensor(float(step)))
         if step == 5:
-            state = copy.deepcopy(logger.state_dict())
+            save_checkpoint(tmp_path / "ckpt.pt", logger=logger, step=step)
     logger.flush()  # the crash: rows 6..8 were written but the checkpoint knows step 5
     resumed = MetricLogger(tmp_path, sinks=["csv", "jsonl"])
-    resumed.load_state_dict(state)
+    assert load_checkpoint(tmp_path / "ckpt.pt", logger=resumed)["step"] == 5
     with pytest.raises(ValueError, match=r"steps must not go back; the last one logged was 5"):
         resumed.log(4, loss=0.0)
     for step in range(6, 12):
@@ -263,8 +264,14 @@ def test_two_ranks_write_one_file_with_the_global_values_one_collective_per_flus
         "rank0 all_reduces=3",  # every=4 over 10 steps: flushes after steps 3 and 7, and at close
         "rank1 all_reduces=3",
     ]
-    rows = _rows(tmp_path / "metrics.csv")
-    assert [int(r["step"]) for r in rows] == list(range(10))
-    assert [float(r["loss"]) for r in rows] == [step + 0.5 for step in range(10)]  # the mean of ranks 0 and 1
-    assert all(float(r["seen"]) == pytest.approx((1 * 1 + 4 * 3) / 4) for r in rows)  # weighted by every n
-    assert len(list(tmp_path.iterdir())) == 2  # metrics.csv and metrics.jsonl: one writer
+    for folder in (tmp_path, tmp_path / "device"):  # values read at the log, or staged as device values
+        rows = _rows(folder / "metrics.csv")
+        assert [int(r["step"]) for r in rows] == [*range(10), 9]
+        assert [float(r["loss"]) for r in rows[:10]] == [step + 0.5 for step in range(10)]  # mean of 2 ranks
+        assert all(float(r["seen"]) == pytest.approx((1 * 1 + 4 * 3) / 4) for r in rows[:10])  # weighted by n
+        assert all(float(r["lr"]) == pytest.approx(0.15, abs=1e-15) for r in rows[:10])
+        assert rows[10]["eval"] == "0.5" and rows[10]["loss"] == ""
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["device", "metrics.csv", "metrics.jsonl", "rank0"]  # one writer
+    own = _rows(tmp_path / "rank0" / "metrics.csv")
+    assert [float(r["loss"]) for r in own] == [float(step) for step in range(10)]  # rank 0's values, once

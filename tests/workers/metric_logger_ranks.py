@@ -2,7 +2,10 @@
 
 Usage: metric_logger_ranks.py OUT_DIR. Each rank logs, at steps 0..9, loss = step + rank (a tensor) and a
 LossTracker fed rank-dependent values and counts (rank 0: value 1 with n=1; rank 1: value 4 with n=3 per
-step), every=4, so three flushes and three all-reduces. Prints the all-reduce count per rank.
+step) and lr = 0.1 * (rank + 1), every=4, then a row of host values only at step 9 (eval = rank): three
+flushes and three all-reduces. Prints the all-reduce count per rank. The same again into OUT_DIR/device with
+CPU tensors standing in for device tensors. Then a default logger (rank 0's values) writes
+OUT_DIR/rank0/metrics.csv.
 """
 
 import sys
@@ -12,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from speedups import LossTracker, MetricLogger, init_distributed, rank
+from speedups.metrics import logger as logger_module
 from tests._dist import say
 
 out = Path(sys.argv[1])
@@ -27,13 +31,26 @@ def counting(*args, **kwargs):
 
 
 dist.all_reduce = counting  # count the logger's collectives
-tracker = LossTracker()
-logger = MetricLogger(out, sinks=["csv", "jsonl"], every=4, all_ranks=True)
-for step in range(10):
-    tracker.update(torch.tensor(1.0 if me == 0 else 4.0), 1 if me == 0 else 3)
-    logger.log(step, loss=torch.tensor(float(step + me)), seen=tracker)
-logger.close()
+
+
+def run(folder: Path) -> None:
+    tracker = LossTracker()
+    logger = MetricLogger(folder, sinks=["csv", "jsonl"], every=4, all_ranks=True)
+    for step in range(10):
+        tracker.update(torch.tensor(1.0 if me == 0 else 4.0), 1 if me == 0 else 3)
+        logger.log(step, loss=torch.tensor(float(step + me)), seen=tracker, lr=0.1 * (me + 1))
+    logger.log(9, eval=float(me))  # a row of host values only
+    logger.close()
+
+
+run(out)
 dist.all_reduce = reduce
 say(f"rank{me} all_reduces={calls[0]}")
+logger_module._CPU_READS_ARE_FREE = False  # the same with CPU tensors standing in for device tensors
+run(out / "device")
+logger_module._CPU_READS_ARE_FREE = True
+with MetricLogger(out / "rank0", sinks="csv", every=4) as own:  # default: rank 0's values, no collective
+    for step in range(10):
+        own.log(step, loss=torch.tensor(float(step + me)))
 dist.barrier()
 dist.destroy_process_group()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["Sink", "run_file"]
@@ -24,6 +24,11 @@ class Sink:
     def write(self, step: int, values: Mapping[str, float]) -> None:
         """Write one row: the values logged at ``step`` (Python floats; NaN where a value is not finite)."""
         raise NotImplementedError
+
+    def write_rows(self, rows: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """Write several rows ``(step, values)`` in order; by default one :meth:`write` each."""
+        for step, values in rows:
+            self.write(step, values)
 
     def resume(self, after_step: int) -> None:
         """A resumed run appends after ``after_step``: forget (or hide) whatever was written later."""

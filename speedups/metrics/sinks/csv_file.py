@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import csv
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -23,8 +22,9 @@ class CSVSink(Sink):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.columns: list[str] = []
+        self._known: set[str] = set()
+        self._order: tuple[str, ...] = ()
         self._file: IO[str] | None = None
-        self._writer: csv.DictWriter[str] | None = None
         self._resume_after: int | None = None
 
     def resume(self, after_step: int) -> None:
@@ -43,24 +43,38 @@ class CSVSink(Sink):
             self._file.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns = columns
+        self._known = set(columns)
+        self._order = tuple(columns)
         self._file = open(self.path, "w", newline="")  # noqa: SIM115 - kept open across writes
-        self._writer = csv.DictWriter(self._file, fieldnames=["step", *columns], restval="")
-        self._writer.writeheader()
-        self._writer.writerows(rows)
+        writer = csv.DictWriter(self._file, fieldnames=["step", *columns], restval="")
+        writer.writeheader()
+        writer.writerows(rows)
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         if self._file is None:
             kept = self._rows_kept()
             self._open(self.columns, kept)
-        new = [name for name in values if name not in self.columns]
-        if new:  # a wider header: rewrite what is there (rare: once per new metric)
+        if len(values) > len(self._known) or not self._known.issuperset(values):
+            # a wider header: rewrite what is there (rare: once per new metric)
             assert self._file is not None
             self._file.close()
             with open(self.path, newline="") as f:
                 rows = list(csv.DictReader(f))
-            self._open([*self.columns, *new], rows)
-        assert self._writer is not None
-        self._writer.writerow({"step": step, **{k: _cell(v) for k, v in values.items()}})
+            self._open([*self.columns, *(name for name in values if name not in self._known)], rows)
+        assert self._file is not None
+        # numbers only: no cell needs quoting; repr is the shortest exact text of a float ('nan', 'inf')
+        if tuple(values) == self._order:  # every column, in order: the common row
+            self._file.write(f"{step},{','.join(map(repr, values.values()))}\n")
+            return
+        cells = [repr(values[name]) if name in values else "" for name in self.columns]
+        self._file.write(f"{step},{','.join(cells)}\n")
+
+    def write_rows(self, rows: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        order = self._order
+        if self._file is None or not all(tuple(values) == order for _, values in rows):
+            super().write_rows(rows)  # a first row, or a row that is not every column in order
+            return
+        self._file.write("".join(f"{step},{','.join(map(repr, values.values()))}\n" for step, values in rows))
 
     def flush(self) -> None:
         if self._file is not None:
@@ -70,7 +84,3 @@ class CSVSink(Sink):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _cell(value: float) -> str:
-    return repr(float(value)) if math.isfinite(value) else str(float(value))
