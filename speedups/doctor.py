@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from speedups._helpers import env
-from speedups._helpers.hardware import cpu_has_native_bf16, cpus_per_process, usable_cpus
+from speedups._helpers.hardware import cpu_has_native_bf16, cpus_per_process, gpu_has_native_bf16, usable_cpus
 
 __all__ = ["diagnose", "format_diagnosis", "main"]
 
@@ -36,7 +36,7 @@ def diagnose() -> dict[str, Any]:
                     "name": props.name,
                     "memory_gib": round(props.total_memory / 2**30, 1),
                     "capability": f"{props.major}.{props.minor}",
-                    "bf16": props.major >= 8,
+                    "bf16": gpu_has_native_bf16(i),
                 }
             )
     backends = []

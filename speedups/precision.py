@@ -19,7 +19,7 @@ import wrapt
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from speedups._helpers import env, validate
-from speedups._helpers.hardware import cpu_has_native_bf16
+from speedups._helpers.hardware import cpu_has_native_bf16, gpu_has_native_bf16
 from speedups._helpers.step_context import apply_update, check_max_grad_norm, current_step, params_of
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -424,7 +424,7 @@ def _check_supported(dtype: object, wanted: torch.dtype, device_type: str) -> No
 def _auto_dtype(device_type: str) -> tuple[torch.dtype | None, str]:
     """The "auto" choice for ``device_type``, and why when it is fp32."""
     if device_type == "cuda":
-        return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), ""
+        return (torch.bfloat16 if gpu_has_native_bf16() else torch.float16), ""  # not emulated bf16
     if device_type == "cpu":
         if cpu_has_native_bf16():
             return torch.bfloat16, ""

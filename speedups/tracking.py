@@ -221,9 +221,7 @@ class LossTracker:
         dist = torch.distributed
         if self.all_ranks and env.pg_ready():
             # One all-reduce in float64 on the backend's device (CUDA for nccl, CPU for gloo).
-            device = torch.device("cpu")
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = env.comm_device()  # this rank's GPU under NCCL, whatever the current device is
             vec = torch.tensor([*self._host, float(self._updates)], dtype=torch.float64, device=device)
             if self._state is not None:
                 vec[:3] += self._state.to(device=device, dtype=torch.float64)

@@ -389,11 +389,66 @@ def test_benchmark_quick_mode_prints_its_table() -> None:
     assert re.search(r"auto \(\w+\)\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
 
 
+def _fp16_accumulate_against_grad_scaler(device: str) -> None:
+    """fp16 under @accumulate(4) with clipping equals the PyTorch AMP recipe written by hand: the same
+    GradScaler at the same scale skips the same optimizer steps (targets of scale 10 overflow fp16 at the
+    default 2**16 scale: a GPU skips those steps too) and the weights after them agree."""
+    X, Y = (t.to(device) for t in _data(40, scale=10.0))
+    model = _mlp().to(device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    seen: list[torch.dtype] = []
+    skipped: list[bool] = []
+
+    @accumulate(4, opt, max_grad_norm=1.0)
+    @mixed_precision("fp16", device_type=device)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model[0](x)
+        seen.append(out.dtype)
+        return F.mse_loss(model[2](model[1](out)), y)
+
+    for i in range(0, 40, 4):
+        train_step(X[i : i + 4], Y[i : i + 4])
+        if train_step.is_boundary:
+            skipped.append(train_step.last_step_skipped)
+    train_step.flush()
+    skipped.append(train_step.last_step_skipped)
+
+    scaler = torch.amp.GradScaler(device)  # the AMP recipe: scale, unscale_, clip, step, update
+    ref_skipped = []
+    for start, stop in [(0, 16), (16, 32), (32, 40)]:
+        ref_opt.zero_grad()
+        micro = range(start, stop, 4)
+        for i in micro:
+            with torch.autocast(device, dtype=torch.float16):
+                loss = F.mse_loss(ref(X[i : i + 4]), Y[i : i + 4]) / len(micro)
+            scaler.scale(loss).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        before = scaler.get_scale()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_skipped.append(scaler.get_scale() < before)
+    assert set(seen) == {torch.float16}
+    assert skipped == ref_skipped and any(skipped)  # overflow at 2**16: both skip the same steps
+    assert train_step.scaler.get_scale() == scaler.get_scale()
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_accumulate_skips_what_the_amp_recipe_skips_cpu() -> None:
+    _fp16_accumulate_against_grad_scaler("cpu")
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_cuda_mixed_precision_with_accumulate(dtype: str) -> None:
-    if dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        pytest.skip("this GPU has no bf16")
+def test_cuda_fp16_accumulate_skips_what_the_amp_recipe_skips() -> None:
+    _fp16_accumulate_against_grad_scaler("cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_with_accumulate() -> None:
+    if not _hardware.gpu_has_native_bf16():
+        pytest.skip("this GPU has no native bf16 (compute capability below 8.0)")
     X, Y = (t.cuda() for t in _data(40, scale=10.0))
     model = _mlp().cuda()
     ref = copy.deepcopy(model)
@@ -402,7 +457,7 @@ def test_cuda_mixed_precision_with_accumulate(dtype: str) -> None:
     seen: list[torch.dtype] = []
 
     @accumulate(4, opt, max_grad_norm=1.0)
-    @mixed_precision(dtype, device_type="cuda")
+    @mixed_precision("bf16", device_type="cuda")
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = model[0](x)
         seen.append(out.dtype)
@@ -411,21 +466,40 @@ def test_cuda_mixed_precision_with_accumulate(dtype: str) -> None:
     for i in range(0, 40, 4):
         train_step(X[i : i + 4], Y[i : i + 4])
     train_step.flush()
-    assert set(seen) == {torch.bfloat16 if dtype == "bf16" else torch.float16}
-    assert (train_step.scaler is None) == (dtype == "bf16")
+    assert set(seen) == {torch.bfloat16} and train_step.scaler is None
     for start, stop in [(0, 16), (16, 32), (32, 40)]:
         ref_opt.zero_grad()
         F.mse_loss(ref(X[start:stop]), Y[start:stop]).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
-    tol = 2e-2 if dtype == "bf16" else 1e-3
-    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=tol, rtol=0)
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), atol=2e-2, rtol=0)
+
+
+def test_auto_is_fp16_on_a_gpu_with_emulated_bf16_and_bf16_from_ampere_on() -> None:
+    """A T4 (7.5) makes bf16 tensors (torch's default probe says supported) but computes them emulated."""
+    for major, minor, want in [(7, 5, torch.float16), (7, 0, torch.float16), (8, 0, torch.bfloat16)]:
+        card = mock.Mock(name="gpu", total_memory=16 * 2**30, major=major, minor=minor)
+        card.name = f"stand-in {major}.{minor}"
+        with mock.patch.multiple(
+            torch.cuda,
+            is_available=lambda: True,
+            device_count=lambda: 1,
+            current_device=lambda: 0,
+            get_device_properties=lambda *_, card=card: card,
+            is_bf16_supported=lambda *_, **__: True,
+        ):
+            amp = mixed_precision("auto", device_type="cuda")
+            from speedups import doctor
+
+            facts = doctor.diagnose()
+        assert amp.dtype == want and (amp.scaler is not None) == (want == torch.float16), (major, minor)
+        assert facts["gpus"][0]["bf16"] == (want == torch.bfloat16)  # the doctor says the same
 
 
 @pytest.mark.cuda
 def test_cuda_auto_picks_a_16_bit_dtype() -> None:
     amp = mixed_precision(device_type="cuda")
-    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    expected = torch.bfloat16 if _hardware.gpu_has_native_bf16() else torch.float16
     assert amp.dtype == expected and (amp.scaler is not None) == (expected == torch.float16)
 
 

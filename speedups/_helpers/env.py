@@ -31,12 +31,13 @@ initialised, else ``cuda:0``. An explicit ``ddp_wrap(model, device=...)`` overri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = [
     "Placement",
+    "comm_device",
     "cuda_index",
     "device",
     "first_host",
@@ -56,6 +58,7 @@ __all__ = [
     "local_world_size",
     "master_addr",
     "master_port",
+    "on_comm_device",
     "pg_ready",
     "placement",
     "rank",
@@ -123,6 +126,33 @@ def device(env: Mapping[str, str] | None = None) -> torch.device:
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def comm_device() -> torch.device:
+    """The device this rank's collectives run on: its own GPU (:func:`device`) under NCCL, else the CPU.
+
+    Not ``torch.cuda.current_device()``: a process group made by the user, without
+    ``torch.cuda.set_device``, leaves every rank's current device at ``cuda:0`` (NCCL then sees duplicate
+    GPUs, or hangs).
+    """
+    if pg_ready() and torch.distributed.get_backend() == "nccl":
+        return device()
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_comm_device() -> Iterator[torch.device]:
+    """Run a block of collectives with :func:`comm_device` as the current CUDA device, and yield it.
+
+    torch's object collectives (``all_gather_object``, ``broadcast_object_list``) and NCCL's ``barrier``
+    use the current device; inside this block it is this rank's own GPU whatever the user set.
+    """
+    place = comm_device()
+    if place.type != "cuda":
+        yield place
+        return
+    with torch.cuda.device(place):
+        yield place
 
 
 @dataclass(frozen=True)

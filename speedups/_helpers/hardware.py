@@ -7,10 +7,12 @@ import os
 import platform
 import warnings
 
+import torch
+
 from speedups._helpers import env
 from speedups.errors import SpeedupsWarning
 
-__all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "cpus_per_process", "usable_cpus"]
+__all__ = ["bf16_in_cpuinfo", "cpu_has_native_bf16", "cpus_per_process", "gpu_has_native_bf16", "usable_cpus"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,6 +41,19 @@ def cpu_has_native_bf16() -> bool:
             return False
         return out.stdout.strip() == "1"
     return False
+
+
+def gpu_has_native_bf16(index: int | None = None) -> bool:
+    """Return True when CUDA device ``index`` (the current device when None) computes bf16 natively.
+
+    NVIDIA: compute capability 8.0 or higher (Ampere on). Below it (T4, V100, RTX 20xx) bf16 is emulated:
+    slow, and cuDNN has no bf16 convolutions, though ``torch.cuda.is_bf16_supported()`` answers True there by
+    default (``including_emulation=True``). ROCm: whatever torch says (MI200 on compute bf16).
+    """
+    if getattr(torch.version, "hip", None):
+        return bool(torch.cuda.is_bf16_supported())
+    device = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(device).major >= 8
 
 
 def bf16_in_cpuinfo(cpuinfo: str) -> bool:

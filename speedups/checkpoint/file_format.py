@@ -23,13 +23,14 @@ import dataclasses
 import os
 import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedups._helpers import rng
-from speedups.errors import SpeedupsError
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["FORMAT", "META", "Contents", "checked_rng", "read", "rng_from_file", "rng_to_file", "write"]
 
@@ -238,6 +239,19 @@ def rng_from_file(saved: dict[str, Any]) -> dict[str, Any]:
             state["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
     if "cuda" in state and not torch.cuda.is_available():
         del state["cuda"]
+    elif (
+        "cuda" in state
+        and isinstance(state["cuda"], list)
+        and len(state["cuda"]) != torch.cuda.device_count()
+    ):
+        had, sees = len(state.pop("cuda")), torch.cuda.device_count()
+        warnings.warn(  # device i then is not device i now: restoring some of them would be a guess
+            f"load_checkpoint: the checkpoint holds the CUDA RNG states of {had} GPUs and this process "
+            f"sees {sees} (CUDA_VISIBLE_DEVICES changed?); the CUDA RNG states were not restored, everything "
+            f"else was.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )
     if "mps" in state and not rng.mps_available():
         del state["mps"]
     return state

@@ -22,7 +22,8 @@ def gather_rng() -> list[dict[str, Any]]:
     if not collective():
         return [mine]
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, mine)  # collective: checkpoints are saved by every rank
+    with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current
+        torch.distributed.all_gather_object(every, mine)  # collective: checkpoints are saved by every rank
     return every
 
 

@@ -117,7 +117,8 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
             error = f"{type(err).__name__}: {err}"
     if collective() and together:
         box = [error]
-        torch.distributed.broadcast_object_list(box, src=0)  # also the barrier: the file is complete now
+        with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current
+            torch.distributed.broadcast_object_list(box, src=0)  # also the barrier: the file is complete now
         error = box[0]
     if error:
         raise SpeedupsError(

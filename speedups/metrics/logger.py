@@ -374,9 +374,7 @@ class MetricLogger:
         """One all-reduce of every pending record's values, then the means are written (rank 0)."""
         arrive("MetricLogger.flush")
         dist = torch.distributed
-        device = torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = env.comm_device()  # this rank's GPU under NCCL, whatever the current device is
         pending = [_as_record(item) for item in self._pending]
         self._pending = []
         parts = []

@@ -121,7 +121,7 @@ def ddp_wrap(
             f"device, so it has no values to move, train or synchronise. Materialise it on a real device "
             f"first: model.to_empty(device='cuda'), then load or initialise its weights."
         )
-    if device is not None and place.type == "cuda":
+    if place.type == "cuda":  # also with a process group the user made: collectives use the current device
         torch.cuda.set_device(place)
     running = start_process_group(
         backend=None,

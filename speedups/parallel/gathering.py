@@ -129,10 +129,10 @@ def _all_gather(leaves: list[torch.Tensor], n: int, indices: torch.Tensor | None
     dist = torch.distributed
     if indices is not None:
         leaves = [*leaves, indices]
-    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     spec = [(tuple(t.shape[1:]), str(t.dtype)) for t in leaves]
     specs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(specs, (n, spec))
+    with env.on_comm_device() as comm:  # this rank's GPU under NCCL (object collectives use the current one)
+        dist.all_gather_object(specs, (n, spec))
     counts = [count for count, _ in specs]
     if any(other != spec for _, other in specs):
         raise SpeedupsError(
@@ -144,7 +144,7 @@ def _all_gather(leaves: list[torch.Tensor], n: int, indices: torch.Tensor | None
     out = []
     for t in leaves:
         home = t.device
-        moved = t.to(comm) if comm is not None else t.cpu()
+        moved = t.to(comm)
         padded = moved.new_zeros((most, *t.shape[1:]))
         padded[:n] = moved
         parts = [torch.empty_like(padded) for _ in counts]

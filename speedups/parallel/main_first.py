@@ -71,5 +71,6 @@ def _meet(failed: bool) -> list[bool]:
     """Every rank's flag (did the block fail there?): the one collective that orders the ranks."""
     arrive("main_process_first")
     flags: list[object] = [None] * env.world_size()
-    torch.distributed.all_gather_object(flags, failed)
+    with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current
+        torch.distributed.all_gather_object(flags, failed)
     return [bool(f) for f in flags]

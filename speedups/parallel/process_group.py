@@ -148,5 +148,6 @@ def destroy_distributed() -> None:
         return
     gc.collect()  # free DDP reducers that only reference cycles keep alive
     arrive("destroy_distributed")
-    torch.distributed.barrier()
+    with env.on_comm_device():  # NCCL's barrier runs on the current device: make it this rank's
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()

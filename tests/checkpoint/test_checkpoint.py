@@ -342,6 +342,40 @@ def test_damaged_metadata_is_refused_before_any_object_or_rng_changes(tmp_path: 
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.parametrize(("saved", "visible"), [(2, 1), (1, 2), (2, 2)])
+def test_cuda_rng_states_of_another_gpu_count_are_skipped_with_a_warning(
+    tmp_path, monkeypatch, saved, visible
+):
+    """A resume that sees another number of GPUs (CUDA_VISIBLE_DEVICES changed) restores everything but the
+    CUDA RNG states, and says so, where torch's set_rng_state_all would raise after the model was loaded.
+    CUDA stood in: device counts monkeypatched, the states recorded."""
+    path = save_checkpoint(tmp_path / "c.pt", model=nn.Linear(3, 1), epoch=1)
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(saved)]
+    gpu = _damage(path, tmp_path / "gpu.pt", lambda meta: meta["rng"][0].update(cuda=states))
+    restored: list[list[torch.Tensor]] = []
+
+    def set_rng_state_all(new: list[torch.Tensor]) -> None:  # torch's: one state per visible device
+        if len(new) > visible:
+            raise IndexError("invalid device index")
+        restored.append(list(new))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    model = nn.Linear(3, 1)
+    if saved == visible:
+        assert load_checkpoint(gpu, model=model)["epoch"] == 1
+        assert [[int(t[0]) for t in r] for r in restored] == [list(range(saved))]
+        return
+    with pytest.warns(
+        SpeedupsWarning, match=rf"CUDA RNG states of {saved} GPUs and this process sees {visible}"
+    ):
+        assert load_checkpoint(gpu, model=model)["epoch"] == 1
+    assert restored == []  # nothing half-restored
+    saved_weights = torch.load(path, weights_only=True)["model"]
+    assert all(torch.equal(saved_weights[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(("path", "error"), [(3, TypeError), (None, TypeError), ("", ValueError)])
 def test_a_path_that_is_no_file_name_is_refused_naming_path(tmp_path: Path, path, error) -> None:
     with pytest.raises(error, match=r"save_checkpoint\(path=.*expected the checkpoint's file name"):

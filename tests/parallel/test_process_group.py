@@ -126,7 +126,7 @@ def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
         ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "local rank must be"),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "cannot hold more"),
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "must be >= 0"),
-        ({"RANK": "3"}, "global rank must be below"),  # a rank without a world size
+        ({"RANK": "3"}, "WORLD_SIZE not set, though a launcher sets them all"),  # a rank without a world size
     ],
 )
 def test_contradictory_environment_raises_before_anything(monkeypatch, env, match) -> None:
@@ -140,6 +140,91 @@ def test_contradictory_environment_raises_before_anything(monkeypatch, env, matc
         ddp_wrap(model.to("meta"))
     with pytest.raises(SpeedupsError, match=match):
         distributed(DataLoader(range(4)))
+
+
+# ------------------------------------------------------------------------- the GPU of a user's process group
+class _Placed(nn.Linear):
+    """A model that records where it is moved (no GPU here: CUDA is stood in)."""
+
+    def to(self, *args, **kwargs):  # type: ignore[override]
+        self.moved_to = args[0] if args else kwargs.get("device")
+        return self
+
+
+def test_ddp_wrap_makes_the_local_rank_gpu_current_with_a_process_group_the_user_made(monkeypatch) -> None:
+    """A8 (LOCAL_RANK=1 of 4 GPUs), dist.init_process_group called by the script without set_device: the
+    current device stayed cuda:0 on every rank; after ddp_wrap it is cuda:1, where the model went."""
+    _a8(monkeypatch)
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", torch.device(d)))
+    monkeypatch.setattr(speedups.parallel.data_parallel, "start_process_group", lambda **kw: True)  # running
+    monkeypatch.setattr(
+        nn.parallel, "DistributedDataParallel", lambda m, **kw: calls.setdefault("ddp", kw) and m
+    )
+    model = _Placed(3, 1)
+    ddp_wrap(model)
+    assert model.moved_to == torch.device("cuda", 1)
+    assert calls["set_device"] == torch.device("cuda", 1)  # the collectives' device: the model's GPU
+    assert calls["ddp"] == {"device_ids": [1]}
+
+
+def test_collectives_run_on_this_ranks_gpu_under_nccl_whatever_is_current(monkeypatch) -> None:
+    """A8 under NCCL with cuda:0 current: speedups' collectives use cuda:1 (LOCAL_RANK), and the object
+    collectives run with it current; under gloo, the CPU, and nothing is switched."""
+    _a8(monkeypatch)
+    entered: list[object] = []
+
+    class _Device:  # torch.cuda.device, recorded
+        def __init__(self, device: object) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    monkeypatch.setattr(_env, "pg_ready", lambda: True)
+    for backend, want in [("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))]:
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, backend=backend: backend)
+        assert _env.comm_device() == want
+        entered.clear()
+        with _env.on_comm_device() as place:
+            assert place == want
+        assert entered == ([want, "exit"] if want.type == "cuda" else [])
+
+
+def test_no_collective_of_speedups_uses_the_current_cuda_device() -> None:
+    """The whole kind: NCCL collectives read their device from env.comm_device(), and every object
+    collective or barrier runs inside env.on_comm_device(): none trusts torch.cuda.current_device()."""
+    import ast
+
+    root = Path(speedups.parallel.data_parallel.__file__).resolve().parents[1]
+    helpers = {"env.py", "hardware.py", "device.py"}
+    found = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.With) and any("on_comm_device" in ast.unparse(i) for i in node.items):
+                for inner in ast.walk(node):
+                    inner.inside = True  # type: ignore[attr-defined]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if (
+                name.endswith("current_device")
+                and path.name not in helpers
+                and "environments" not in path.parts
+            ):
+                found.append(f"{path.name}:{node.lineno} {name}")
+            collective = name.split(".")[-1] in {"all_gather_object", "broadcast_object_list", "barrier"}
+            torch_dist = "distributed" in name or name.startswith("dist.")
+            if collective and torch_dist and not getattr(node, "inside", False):
+                found.append(f"{path.name}:{node.lineno} {name} outside on_comm_device")
+    assert found == []
 
 
 # ------------------------------------------------------------------------------------------------ ddp_wrap
