@@ -92,4 +92,8 @@ def _mask(owner: weakref.ref[GradMask], grad: torch.Tensor) -> torch.Tensor | No
     if keep is False:
         return torch.zeros_like(grad)
     assert isinstance(keep, torch.Tensor)
-    return torch.where(keep.to(grad.device, non_blocking=True), grad, 0)
+    if keep.device != grad.device:  # a parameter on another device (a shard_model part on the CPU)
+        # to a GPU: asynchronous, ordered on its stream; to the CPU: it must wait for the value (a
+        # non-blocking copy to the host would be read before it landed)
+        keep = keep.to(grad.device, non_blocking=grad.device.type != "cpu")
+    return torch.where(keep, grad, 0)

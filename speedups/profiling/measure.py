@@ -19,7 +19,16 @@ from torch.overrides import TorchFunctionMode
 
 from speedups._helpers.tree import tree_map
 
-__all__ = ["Counts", "LoaderBatchSizes", "SampleMode", "Sampling", "p90", "peak_memory", "samples_in"]
+__all__ = [
+    "Counts",
+    "LoaderBatchSizes",
+    "SampleMode",
+    "Sampling",
+    "gpus_in_use",
+    "p90",
+    "peak_memory",
+    "samples_in",
+]
 
 # Tensor calls that read a value into Python: each is a host-device sync when the tensor is on an accelerator
 # (a read of a CPU tensor, such as Adam's step counter or a PackedSequence's batch_sizes, is not).
@@ -148,10 +157,18 @@ class Sampling:
         return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs)
 
 
+def gpus_in_use() -> list[int]:
+    """The CUDA devices holding memory of this process (a model on ``cuda:1``, ``shard_model``'s parts),
+    else the current one: what a step's events and memory statistics must cover, not the current device."""
+    used = [i for i in range(torch.cuda.device_count()) if torch.cuda.memory_allocated(i) > 0]
+    return used or [torch.cuda.current_device()]
+
+
 def _device_frees() -> int:
-    """CUDA memory blocks returned to the driver so far in this process."""
-    stats = torch.cuda.memory_stats()
-    return int(stats.get("num_device_free", 0))
+    """CUDA memory blocks returned to the driver so far in this process, on every GPU."""
+    return sum(
+        int(torch.cuda.memory_stats(i).get("num_device_free", 0)) for i in range(torch.cuda.device_count())
+    )
 
 
 def samples_in(batch: Any) -> int | None:
@@ -214,7 +231,10 @@ def peak_memory() -> str:
     """Peak CUDA memory allocated (once CUDA is in use) and peak process RSS, in MiB, as text."""
     parts = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts.append(f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB allocated on cuda")
+        for i in range(torch.cuda.device_count()):  # every GPU, not the current one only
+            peak = torch.cuda.max_memory_allocated(i)
+            if peak:
+                parts.append(f"{peak / 2**20:.0f} MiB allocated on cuda:{i}")
     try:
         import resource
 

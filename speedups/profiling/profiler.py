@@ -22,7 +22,7 @@ from speedups._helpers import validate
 from speedups._helpers.hardware import cpu_has_native_bf16, usable_cpus
 from speedups.errors import SpeedupsError
 from speedups.profiling.advice import Advice, Report, Summary, advise
-from speedups.profiling.measure import LoaderBatchSizes, Sampling, p90, peak_memory, samples_in
+from speedups.profiling.measure import LoaderBatchSizes, Sampling, gpus_in_use, p90, peak_memory, samples_in
 from speedups.profiling.mistakes import MistakeWatcher
 from speedups.profiling.plots import draw_steps
 
@@ -33,10 +33,33 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclass(slots=True)
 class _StepEvents:
-    """The CUDA events around one step (``torch.cuda.Event``), read when the report is made."""
+    """The CUDA events around one step, one pair per GPU in use (``torch.cuda.Event`` on each GPU's current
+    stream), read when the report is made: the step's GPU time is the longest span (the GPU done last)."""
 
-    start: Any
-    end: Any
+    start: list[Any]
+    end: list[Any]
+
+    @classmethod
+    def begin(cls, devices: list[int]) -> _StepEvents:
+        events = cls([], [])
+        for index in devices:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(index))
+            events.start.append(start)
+            events.end.append(torch.cuda.Event(enable_timing=True))
+        return events
+
+    def finish(self, devices: list[int]) -> None:
+        for index, end in zip(devices, self.end, strict=True):
+            end.record(torch.cuda.current_stream(index))
+
+    def seconds(self) -> float:
+        """The longest start-to-end span over the GPUs, in seconds (waits for the end events)."""
+        spans = []
+        for start, end in zip(self.start, self.end, strict=True):
+            end.synchronize()
+            spans.append(start.elapsed_time(end) / 1000.0)
+        return max(spans)
 
 
 @dataclass(slots=True)
@@ -149,6 +172,7 @@ class StepProfiler:
         self._open: StepRecord | None = None  # the step `iter` has handed out and not yet closed
         self._loader_workers: int | None = None
         self._mistakes = MistakeWatcher(model) if debug else None
+        self._gpus: list[int] | None = None  # the CUDA devices whose streams the step events time
 
     # ------------------------------------------------------------------------ context manager / decorator
     def __enter__(self) -> StepProfiler:
@@ -264,10 +288,9 @@ class StepProfiler:
         record = StepRecord(data_s, 0.0, samples, sampled)
         self.steps.append(record)
         if torch.cuda.is_initialized():  # cheap flag check; True only once CUDA is in use
-            record._events = _StepEvents(
-                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            )
-            record._events.start.record()
+            if index in (0, self.warmup) or self._gpus is None:  # not the current device only: every GPU
+                self._gpus = gpus_in_use()  # holding memory (a model on cuda:1, shard_model's parts)
+            record._events = _StepEvents.begin(self._gpus)
         if not sampled:
             return record, None
         return record, Sampling.begin(on_gpu=record._events is not None, keep_losses=self.debug)
@@ -284,7 +307,7 @@ class StepProfiler:
             extra = max(record.step_s - (self._last_plain_s or 0.0), 0.0)
             self._next_sample_at = end + max(100 * extra, 10 * (self._last_plain_s or record.step_s))
         if record._events is not None:
-            record._events.end.record()
+            record._events.finish(self._gpus or [])
         loss_refs = None
         if sampling is not None:
             counts = sampling.end()
@@ -328,8 +351,7 @@ class StepProfiler:
             timed = unsampled
         for r in self.steps:
             if r._events is not None and r.device_s is None:
-                r._events.end.synchronize()
-                r.device_s = r._events.start.elapsed_time(r._events.end) / 1000.0
+                r.device_s = r._events.seconds()
         data_times, step_times = [r.data_s for r in timed], [r.step_s for r in timed]
         mean_data, mean_step = statistics.fmean(data_times), statistics.fmean(step_times)
         total = mean_data + mean_step

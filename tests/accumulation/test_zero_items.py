@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from speedups import SpeedupsWarning
 from speedups.accumulation import accumulate
+from speedups.accumulation.zero_items import GradMask, _mask
 from tests._sync_counter import SyncCounter
 
 # 12 micro-batches of 4 rows, accumulate(4): 3 windows. Micro-batch 1 is all padding (a NaN masked mean);
@@ -121,3 +124,34 @@ def test_a_zero_count_micro_batch_leaves_the_other_gradients_untouched() -> None
     for g, p in zip(grads, reference.parameters(), strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=0)
+
+
+class _RecordedCopies(TorchFunctionMode):
+    """Record ``Tensor.to`` calls; a copy out of ``meta`` (a stand-in for a GPU) gives a real value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            target = torch.device(args[1])
+            self.copies.append((target.type, bool(kwargs.get("non_blocking", False))))
+            if args[0].is_meta and target.type == "cpu":
+                return torch.tensor(True)
+        return func(*args, **kwargs)
+
+
+def test_the_mask_of_a_gpu_count_is_copied_to_a_cpu_parameter_blocking_and_to_a_gpu_without_waiting() -> None:
+    """A shard_model part on the CPU: the device mask must land before torch.where reads it on the host (a
+    non-blocking copy to the host is a race); to a GPU the copy stays asynchronous. ``meta`` stands in."""
+    owner = GradMask()
+    owner.keep = torch.tensor(True, device="meta")  # the count's mask, on "the GPU"
+    with _RecordedCopies() as mode:
+        kept = _mask(weakref.ref(owner), torch.ones(3))  # the gradient of a CPU parameter
+    assert mode.copies == [("cpu", False)] and torch.equal(kept, torch.ones(3))
+    owner.keep = torch.tensor(True)  # a host-side mask, a parameter on "the GPU"
+    with _RecordedCopies() as mode:
+        _mask(weakref.ref(owner), torch.ones(3, device="meta"))
+    assert mode.copies == [("meta", True)]

@@ -224,3 +224,58 @@ def test_entering_a_profiler_twice_is_refused() -> None:
         prof.__enter__()
     with prof:  # after the block closed, it can be entered again
         pass
+
+
+# ---------------------------------------------------------------------------- GPUs other than the current one
+class _FakeCuda:
+    """Two GPUs with a model on cuda:1 only, cuda:0 current (stood in: events record their stream's device
+    and give a span per device; memory statistics per device)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.spans_ms = {0: 0.0, 1: 7.0}
+        self.recorded: list[int] = []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.device: int | None = None
+
+            def record(self, stream=None) -> None:
+                self.device = stream[1]  # type: ignore[index]
+                fake.recorded.append(self.device)
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, end: Event) -> float:
+                assert end.device == self.device
+                return fake.spans_ms[self.device]  # type: ignore[index]
+
+        for name, value in {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "device_count": lambda: 2,
+            "current_device": lambda: 0,
+            "current_stream": lambda index=None: ("stream", 0 if index is None else index),
+            "Event": Event,
+            "memory_allocated": lambda index=None: 2**20 if index == 1 else 0,
+            "max_memory_allocated": lambda index=None: 300 * 2**20 if index == 1 else 0,
+            "memory_stats": lambda index=None: {"num_device_free": 5 if index == 1 else 0},
+            "get_sync_debug_mode": lambda: 0,
+            "set_sync_debug_mode": lambda mode: None,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_gpu_time_and_memory_come_from_the_gpu_the_model_is_on_not_the_current_one(
+    monkeypatch, model
+) -> None:
+    gpu = _FakeCuda(monkeypatch)
+    with profile_steps(warmup=0, sample_every=2) as prof:
+        for x in prof.iter([torch.randn(16, 8) for _ in range(4)]):
+            busy_step(model, x, ms=1)
+    summary = prof.summary()
+    assert set(gpu.recorded) == {1}  # events on cuda:1's stream, none on the idle current device
+    assert all(r.device_s == pytest.approx(0.007) for r in prof.steps)
+    assert summary.device_busy_fraction == pytest.approx(0.007 / (summary.mean_data_s + summary.mean_step_s))
+    assert "300 MiB allocated on cuda:1" in summary.peak_memory and "cuda:0" not in summary.peak_memory
