@@ -1,6 +1,8 @@
 """Count host-device syncs: the reads a loop writes (``.item()``, ``.tolist()``, ``float()``, ``int()``,
-``bool()``, ``.numpy()``, a copy to the CPU) and the reads torch makes inside an op (``nonzero``, masked
-indexing: ``aten._local_scalar_dense`` or a device-to-host copy), each counted once.
+``bool()``, ``.numpy()``, a copy to the CPU) and the reads torch makes inside an op:
+``aten._local_scalar_dense`` or a device-to-host copy, and the ops whose output size depends on the values
+(``nonzero``, masked indexing, ``unique``, ...), whose count a GPU kernel copies to the host where no
+dispatcher op shows it: each counted once.
 
 A CPU-only test has no device, so by default a CPU tensor stands in for one and every read counts;
 ``device_only=True`` counts only reads of tensors on an accelerator (GPU tests, or checking that reads of
@@ -69,7 +71,29 @@ class _Internal(TorchDispatchMode):
                 self.owner.count += _to_host(args[0], out)
             elif name.startswith("copy_") and len(args) > 1:
                 self.owner.count += _to_host(args[1], args[0])
+            elif _sizes_from_values(func, args, kwargs or {}):
+                self.owner.count += self.owner.counts(args[0])
         return out
+
+
+# Ops whose output size depends on the values: on a GPU the kernel copies a count to the host inside
+# (cudaMemcpy, no dispatcher op to see), so they are counted by name.
+_DATA_DEPENDENT = frozenset(
+    {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount"}
+)
+
+
+def _sizes_from_values(func: Any, args: Any, kwargs: dict) -> bool:
+    base = func.__name__.split(".")[0]
+    if base in _DATA_DEPENDENT:
+        return True
+    if base in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        return any(  # a boolean mask as index: torch calls nonzero on it inside the kernel
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ()
+        )
+    if base == "repeat_interleave" and isinstance(args[0], torch.Tensor):
+        return kwargs.get("output_size") is None and (len(args) < 2 or isinstance(args[1], torch.Tensor))
+    return False
 
 
 class SyncCounter:

@@ -55,6 +55,33 @@ def test_device_only_leaves_cpu_reads_out() -> None:
     assert counter.count == 2  # the same reads (one per parameter), counted when the CPU stands in
 
 
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t[t > 1],  # masked indexing
+        lambda t: t.nonzero(),
+        lambda t: torch.where(t > 1),  # the one-argument form is nonzero
+        lambda t: t.masked_select(t > 1),
+        lambda t: t.unique(),
+        lambda t: t.bincount(),
+        lambda t: torch.repeat_interleave(t),
+        lambda t: t.index_put_((t > 1,), torch.tensor(0)),
+    ],
+    ids=["masked-index", "nonzero", "where", "masked_select", "unique", "bincount", "repeat", "masked-put"],
+)
+def test_ops_whose_size_depends_on_values_count_once_where_the_cpu_stands_in(read) -> None:
+    t = torch.arange(4)
+    with SyncCounter() as counter:
+        read(t)
+    assert counter.count == 1
+    with SyncCounter(device_only=True) as counter:
+        read(t)
+    assert counter.count == 0
+    with SyncCounter() as counter:
+        t[1:3], t.index_select(0, torch.tensor([0, 2])), t.repeat_interleave(2), t[torch.tensor([0, 1])]
+    assert counter.count == 0  # sizes known from the shapes: no read
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "read",
