@@ -9,7 +9,7 @@ from speedups.checkpoint import checkpoint_values, load_checkpoint, save_checkpo
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
-from speedups.metrics import MetricLogger
+from speedups.metrics import MetricLogger, plot_metrics
 from speedups.parallel import (
     ddp_wrap,
     destroy_distributed,
@@ -25,7 +25,6 @@ from speedups.parallel import (
     seed_everything,
     world_size,
 )
-from speedups.plot import plot_metrics
 from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
 from speedups.sharding import shard_model, unshard_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speedups import MetricLogger, plot_metrics
-from speedups.plot import read_metrics
+from speedups.metrics.curves import read_metrics
 from tests._dist import ROOT
 
 matplotlib = pytest.importorskip("matplotlib")
@@ -62,3 +62,26 @@ def test_the_command_line_draws_to_the_file_given(tmp_path: Path) -> None:
     assert (
         out.stdout.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     )
+    assert "Warning" not in out.stderr, (
+        out.stderr
+    )  # runpy's "found in sys.modules" warning: not imported twice
+
+
+def test_a_metric_logged_once_shows_as_a_point(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    with MetricLogger(tmp_path) as logger:
+        for step in range(5):
+            logger.log(step, loss=1.0 / (step + 1))
+        logger.log(4, accuracy=0.9)  # once, per epoch
+    drawn: list = []
+    real = Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        drawn.extend(line for ax in fig.axes for line in ax.get_lines())
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot_metrics(tmp_path)
+    accuracy = next(line for line in drawn if list(line.get_xdata()) == [4])
+    assert accuracy.get_marker() == "o"

@@ -27,7 +27,9 @@ NOTICE_AFTER_S = 10.0
 _calls: defaultdict[str, int] = defaultdict(int)  # per call name: how many times this process made it
 
 
-def arrive(call: str, *, timeout_s: float | None = None, alone_after_s: float | None = None) -> bool:
+def arrive(
+    call: str, *, timeout_s: float | None = None, alone_after_s: float | None = None, token: str | None = None
+) -> bool:
     """Wait until every rank has called ``call`` (its n-th time here, the n-th time there too); no collective.
 
     With ``alone_after_s``, rank 0 stops waiting after that many seconds and goes on alone; a rank that
@@ -40,13 +42,15 @@ def arrive(call: str, *, timeout_s: float | None = None, alone_after_s: float | 
         timeout_s: seconds to wait before raising; None: the store's timeout (the collective timeout given to
             ``init_distributed``).
         alone_after_s: seconds after which rank 0 goes on alone (None: it waits like the others).
+        token: what the collective that follows will carry (its layout, say); every rank must bring the same,
+            or every rank raises before the collective (which would abort the process or mix values).
 
     Returns:
         True when every rank arrived (the caller may run its collectives), False when rank 0 went on alone.
 
     Raises:
         SpeedupsError: some rank did not make the same call within the timeout (the message names the call,
-            the ranks that arrived and the fix).
+            the ranks that arrived and the fix); the ranks brought different tokens.
     """
     world = env.world_size()
     if world == 1:
@@ -60,6 +64,10 @@ def arrive(call: str, *, timeout_s: float | None = None, alone_after_s: float | 
     if timeout_s is None:
         wait = getattr(store, "timeout", None)
         timeout_s = wait.total_seconds() if isinstance(wait, timedelta) else 1800.0
+    if token is not None:  # the first token in stays; a rank whose token differs marks the call as bad
+        first = bytes(store.compare_set(key + "/token", "", token)).decode()
+        if first != token:
+            store.set(key + "/bad", f"rank {env.rank()}: {token}; another rank: {first}")
     arrived = store.add(key, 1)
     if arrived == world:
         store.compare_set(decided, "", "all")  # the last to arrive decides, unless rank 0 went on alone
@@ -80,7 +88,13 @@ def arrive(call: str, *, timeout_s: float | None = None, alone_after_s: float | 
             sys.stderr.flush()
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-    return bytes(store.get(decided)) == b"all"
+    together = bytes(store.get(decided)) == b"all"
+    if token is not None and together and store.check([key + "/bad"]):  # final: every rank set it before
+        raise SpeedupsError(  # arriving, and all have arrived
+            f"{call}() on rank {env.rank()}: the ranks do not agree on what to reduce "
+            f"({bytes(store.get(key + '/bad')).decode()}). Nothing was reduced."
+        )
+    return together
 
 
 def _message(call: str, arrived: int, world: int, what: str) -> str:

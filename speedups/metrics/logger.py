@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import numbers
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,9 @@ from speedups._helpers import env, validate
 from speedups._helpers.arrival import arrive
 from speedups._helpers.validate import short
 from speedups.accumulation import UpdateRecord
-from speedups.errors import SpeedupsError
+from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.metrics.sinks import Sink, make_sink
+from speedups.metrics.sinks.registry import SINKS
 from speedups.tracking import LossTracker
 
 __all__ = ["MetricLogger"]
@@ -89,6 +93,35 @@ class _Record:
         return {name: out[name] for name in self.order if name in out}
 
 
+def _number(step: int, name: str, value: Any) -> float:
+    """``value`` as a float; a number beyond float's range is an error naming it."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"MetricLogger.log({step}, {name}={short(value)}): too large for a float (metrics are written as "
+            f"float64, exact for integers up to 2**53)."
+        ) from None
+
+
+def _layout(records: list[_Record]) -> str:
+    """What an all-reduce of ``records`` carries, for every rank to compare: rows, steps, names, width."""
+    if not records:
+        return "no rows"
+    shapes = [
+        (r.step, tuple(r.row), tuple(p[0] for p in r.pairs or ()), tuple(r.names or ())) for r in records
+    ]
+    names = sorted(
+        {name for _, row, pairs, device in shapes for name in (*row, *pairs, *(n for n, _ in device))}
+    )
+    width = sum(r.width() for r in records)
+    digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]
+    return (
+        f"{len(records)} rows, steps {records[0].step}..{records[-1].step}, names {', '.join(names)}, "
+        f"{width} numbers, layout {digest}"
+    )
+
+
 def _as_record(item: _Record | tuple[int, dict[str, float]]) -> _Record:
     """A pending entry as a record: ``(step, row)`` is a step of host values only."""
     if isinstance(item, _Record):
@@ -108,7 +141,8 @@ class _Batch:
         self.values: torch.Tensor | None = None
         self.event: Any = None
         if flats:
-            flat = torch.cat(flats).to(torch.float64)
+            home = flats[0].device  # records may sit on different GPUs: copies between GPUs do not wait
+            flat = torch.cat([f.to(home, non_blocking=True) for f in flats]).to(torch.float64)
             if flat.device.type == "cuda":  # no wait: a pinned copy and an event to check later
                 self.values = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
                 self.values.copy_(flat, non_blocking=True)
@@ -205,7 +239,21 @@ class MetricLogger:
             validate.flag(enabled, "enabled")
             specs = list(sinks) if isinstance(sinks, (list, tuple)) else [sinks]
             if not specs:
-                raise ValueError("sinks=[]: expected at least one sink. Write sinks='csv'.")
+                raise ValueError(f"sinks={sinks!r}: expected at least one sink. Write sinks='csv'.")
+            names = [spec for spec in specs if isinstance(spec, str)]
+            unknown = [name for name in names if name not in SINKS]
+            if unknown:
+                raise ValueError(
+                    f"sinks={unknown[0]!r}: unknown sink. Choose among {sorted(SINKS)}, or pass a sink "
+                    f"object or a tracker with log_metrics(metrics, step)."
+                )
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise ValueError(f"sinks={specs!r}: {twice[0]!r} twice would write the same rows twice.")
+            if named and Path(log_dir).exists() and not Path(log_dir).is_dir():  # type: ignore[arg-type]
+                raise ValueError(
+                    f"log_dir={os.fspath(log_dir)!r} is a file: expected a directory (made if missing)."  # type: ignore[arg-type]
+                )
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.every = every
         self.all_ranks = all_ranks
@@ -215,6 +263,7 @@ class MetricLogger:
         # or (step, row) for a step of host values only
         self._in_flight: list[_Batch] = []  # staged (copies started), written once landed
         self._last_step: int | None = None  # the last step logged
+        self._floor = 0  # the lowest step log() takes: 0, then the last one logged
         self._latest: dict[str, float] = {}  # the last values written, by name (host floats)
         self._writer: bool | None = None  # whether this rank writes: decided at the first write
         self._closed = False
@@ -234,17 +283,23 @@ class MetricLogger:
         """
         if not self.enabled:
             return
-        last = self._last_step
-        if type(step) is not int or (last is not None and step < last):
-            self._refuse_step(step)
         if self._closed:
             raise SpeedupsError("MetricLogger.log(...): the logger is closed. Log before close().")
+        if type(step) is not int or step < self._floor:
+            self._refuse_step(step)
+        if "step" in values:
+            raise ValueError(
+                f"MetricLogger.log({step}, step=...): 'step' is the row's own column (the first argument). "
+                f"Name the metric otherwise, e.g. global_step=..."
+            )
         row: dict[str, float] = {}
         rest: list[tuple[str, Any]] | None = None  # device tensors, trackers, anything unusual
         for name, value in values.items():  # the common kinds first, in as few steps as possible
             kind = type(value)
-            if kind is float or kind is int:
-                row[name] = float(value)
+            if kind is float:
+                row[name] = value
+            elif kind is int:
+                row[name] = _number(step, name, value)
             elif kind is _Tensor and _CPU_READS_ARE_FREE and value.is_cpu:
                 try:
                     row[name] = float(value.item())  # a CPU value: reading it is no sync
@@ -253,19 +308,27 @@ class MetricLogger:
             else:
                 rest = [] if rest is None else rest
                 rest.append((name, value))
-        self._pending.append((step, row) if rest is None else self._record(step, row, rest, tuple(values)))
-        self._last_step = step
+        if rest is not None:
+            record = self._record(step, row, rest, tuple(values))
+            if record is not None:
+                self._pending.append(record)
+        elif row:
+            self._pending.append((step, row))
+        self._last_step = self._floor = step  # a step with no value (all None) writes no row
         if len(self._pending) >= self.every:
             self._flush(block=False)
 
-    def _record(self, step: int, row: dict[str, float], rest: list[tuple[str, Any]], order: tuple) -> _Record:
-        """The record of a step with device tensors or trackers: device values stacked on the device."""
+    def _record(
+        self, step: int, row: dict[str, float], rest: list[tuple[str, Any]], order: tuple
+    ) -> _Record | None:
+        """The record of a step with device tensors or trackers: device values stacked on one device (the
+        first one's; a copy there from another GPU is asynchronous). None when every value was None."""
         record = _Record(step, row, order)
         names: list[tuple[str, bool]] = []
         device: list[torch.Tensor] = []
         for name, value in rest:
             if isinstance(value, torch.Tensor):
-                if value.numel() != 1 or value.is_complex():
+                if value.numel() != 1 or value.is_complex() or value.is_meta or value.layout != torch.strided:
                     self._refuse_tensor(step, name, value)
                 if value.is_cpu and _CPU_READS_ARE_FREE:
                     row[name] = float(value.item())
@@ -273,7 +336,10 @@ class MetricLogger:
                 names.append((name, False))
                 if not value.is_floating_point():  # an integer count: exact in float64, not float32
                     value = value.double()
-                device.append(value.detach().reshape(()))
+                value = value.detach().reshape(())
+                if device and value.device != device[0].device:  # model parallel: a loss on another GPU
+                    value = value.to(device[0].device, non_blocking=value.device.type != "cpu")
+                device.append(value)
             elif isinstance(value, LossTracker):
                 totals = value.totals()
                 if totals.is_cpu and _CPU_READS_ARE_FREE:
@@ -284,13 +350,19 @@ class MetricLogger:
                     device.extend(totals.unbind())
             elif value is None:
                 continue  # an optional value (a grad norm not computed): not logged at this step
-            elif not isinstance(value, bool) and isinstance(value, (int, float)):
-                row[name] = float(value)  # a subclass of int or float (numpy's float64, say)
+            elif (
+                isinstance(value, numbers.Real)
+                and not isinstance(value, bool)
+                and type(value).__name__ != "bool_"
+            ):
+                row[name] = _number(step, name, value)  # a subclass of int or float, a NumPy scalar
             else:
                 raise TypeError(
                     f"MetricLogger.log({step}, {name}={short(value)}): expected a number, a one-element real "
                     f"tensor or a LossTracker, got {type(value).__name__}."
                 )
+        if not names and record.pairs is None and not row:
+            return None
         if names:
             record.names = names
             record.flat = torch.stack(device)  # one stack on the device (dtypes promoted): no read, no sync
@@ -299,6 +371,16 @@ class MetricLogger:
         return record
 
     def _refuse_tensor(self, step: int, name: str, value: torch.Tensor) -> None:
+        if value.is_meta:
+            raise ValueError(
+                f"MetricLogger.log({step}, {name}=<meta tensor>): a meta tensor has no value to log. Log a "
+                f"tensor on a real device."
+            )
+        if value.layout != torch.strided:
+            raise ValueError(
+                f"MetricLogger.log({step}, {name}=<{value.layout} tensor>): expected a dense tensor. Log "
+                f"{name}.to_dense()."
+            )
         if value.numel() != 1:
             raise ValueError(
                 f"MetricLogger.log({step}, {name}=<tensor of shape {tuple(value.shape)}>): a metric is one "
@@ -315,6 +397,11 @@ class MetricLogger:
 
         Register it as the step's hook: ``train_step.on_update(logger.log_update)``.
         """
+        if not isinstance(record, UpdateRecord):
+            raise TypeError(
+                f"MetricLogger.log_update({short(record)}): expected the UpdateRecord an @accumulate step "
+                f"hands its hooks. Register it: train_step.on_update(logger.log_update)."
+            )
         lrs = record.lrs
         rates = {"lr": lrs[0]} if len(lrs) == 1 else {f"lr_{i}": lr for i, lr in enumerate(lrs)}
         self.log(
@@ -328,6 +415,8 @@ class MetricLogger:
     def _refuse_step(self, step: Any) -> None:
         if type(step) is not int:
             raise TypeError(f"MetricLogger.log(step={short(step)}): expected an int (the step), first.")
+        if self._last_step is None:
+            raise ValueError(f"MetricLogger.log(step={step}): expected a step >= 0.")
         raise ValueError(
             f"MetricLogger.log(step={step}): steps must not go back; the last one logged was "
             f"{self._last_step}. Log in step order (a resumed run continues after the checkpoint's step)."
@@ -344,8 +433,18 @@ class MetricLogger:
         latest = self._latest
         for _, values in rows:
             latest.update(values)
-        for sink in self.sinks:
-            sink.write_rows(rows)
+        failed = []
+        for sink in self.sinks:  # a sink that fails costs its own rows, never the other sinks'
+            try:
+                sink.write_rows(rows)
+            except Exception as err:
+                failed.append((sink, err))
+        if failed:
+            bad, cause = failed[0]
+            raise SpeedupsError(
+                f"MetricLogger: the {bad.name!r} sink failed to write steps {rows[0][0]}..{rows[-1][0]} "
+                f"({type(cause).__name__}: {cause}); those rows are lost for it, the other sinks have them."
+            ) from cause
 
     def _flush(self, *, block: bool) -> None:
         """Stage what is pending (one copy), then write every batch that landed, or all when ``block``."""
@@ -372,10 +471,13 @@ class MetricLogger:
 
     def _reduce_and_write(self) -> None:
         """One all-reduce of every pending record's values, then the means are written (rank 0)."""
-        arrive("MetricLogger.flush")
+        pending = [_as_record(item) for item in self._pending]
+        layout = _layout(pending)
+        arrive(
+            "MetricLogger.flush", token=layout
+        )  # a rank that logged other rows fails here, every rank with it
         dist = torch.distributed
         device = env.comm_device()  # this rank's GPU under NCCL, whatever the current device is
-        pending = [_as_record(item) for item in self._pending]
         self._pending = []
         parts = []
         for record in pending:
@@ -398,17 +500,37 @@ class MetricLogger:
         """Flush, then close every sink; later calls do nothing (and :meth:`log` raises)."""
         if self._closed or not self.enabled:
             return
-        self.flush()
-        self._closed = True
-        if self._writes():
-            for sink in self.sinks:
-                sink.close()
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            errors = []
+            if self._writes():
+                for sink in self.sinks:  # every sink is closed, even after one fails
+                    try:
+                        sink.close()
+                    except Exception as err:
+                        errors.append((sink, err))
+            if errors:
+                bad, cause = errors[0]
+                raise SpeedupsError(
+                    f"MetricLogger.close(): the {bad.name!r} sink failed to close ({type(cause).__name__}: "
+                    f"{cause}); the other sinks were closed."
+                ) from cause
 
     def __enter__(self) -> MetricLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the block's own error wins: a sink's failure at exit does not replace it
+            self.close()
+        except Exception as err:
+            warnings.warn(
+                f"MetricLogger: closing after an error failed too: {err}", SpeedupsWarning, stacklevel=2
+            )
 
     # ------------------------------------------------------------------------------------ host values
     def postfix(self, digits: int = 4) -> dict[str, str]:
@@ -417,6 +539,7 @@ class MetricLogger:
         The last written values, updated by the host values (numbers, CPU tensors) logged since; a device
         value shows once its copy has landed. With ``all_ranks``, only the written (global) values.
         """
+        validate.integer(digits, "digits", minimum=1, example="4")
         latest = dict(self._latest)
         if not self.all_ranks:
             for record in map(_as_record, self._pending):
@@ -444,6 +567,7 @@ class MetricLogger:
         """
         self._check_state(state)
         self._last_step = state["step"]
+        self._floor = 0 if state["step"] is None else state["step"]
         self._pending, self._in_flight = [], []
         if state["step"] is not None:
             for sink in self.sinks:

@@ -8,11 +8,20 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from speedups import LossTracker, MetricLogger, SpeedupsError, accumulate, load_checkpoint, save_checkpoint
+from speedups import (
+    LossTracker,
+    MetricLogger,
+    SpeedupsError,
+    SpeedupsWarning,
+    accumulate,
+    load_checkpoint,
+    save_checkpoint,
+)
 from speedups.metrics import logger as logger_module
 from speedups.metrics.sinks import Sink
 from tests._models import linear_data, twin
@@ -272,6 +281,167 @@ def test_two_ranks_write_one_file_with_the_global_values_one_collective_per_flus
         assert all(float(r["lr"]) == pytest.approx(0.15, abs=1e-15) for r in rows[:10])
         assert rows[10]["eval"] == "0.5" and rows[10]["loss"] == ""
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["device", "metrics.csv", "metrics.jsonl", "rank0"]  # one writer
+    assert written == ["device", "metrics.csv", "metrics.jsonl", "rank0"]  # one writer; nothing from "odd"
+    refused = sorted(line for line in out.stdout.splitlines() if "refused" in line)
+    assert [line[:14] for line in refused] == ["rank0 refused:", "rank1 refused:"]
+    assert all("do not agree on what to reduce" in line and "grad_norm" in line for line in refused)
     own = _rows(tmp_path / "rank0" / "metrics.csv")
     assert [float(r["loss"]) for r in own] == [float(step) for step in range(10)]  # rank 0's values, once
+
+
+# ------------------------------------------------------------------------ what a new user ran into (review)
+def test_rows_without_values_write_nothing_and_later_columns_widen_the_file(tmp_path: Path) -> None:
+    with MetricLogger(tmp_path, sinks=["csv", "jsonl"]) as logger:
+        logger.log(0, grad_norm=None)  # nothing to write at step 0
+        logger.log(1)
+        logger.log(2, a=1.0)
+        logger.log(3, b=2.0)
+    assert _rows(tmp_path / "metrics.csv") == [
+        {"step": "2", "a": "1.0", "b": ""},
+        {"step": "3", "a": "", "b": "2.0"},
+    ]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        2,
+        3,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("log", "error", "pattern"),
+    [
+        (lambda lg: lg.log(0, step=5.0), ValueError, r"'step' is the row's own column"),
+        (lambda lg: lg.log(-1, a=1.0), ValueError, r"log\(step=-1\): expected a step >= 0"),
+        (lambda lg: lg.log(0, a=10**400), ValueError, r"a=.*too large for a float"),
+        (lambda lg: lg.log(0, a=torch.zeros((), device="meta")), ValueError, r"meta tensor has no value"),
+        (lambda lg: lg.log(0, a=np.bool_(True)), TypeError, r"expected a number.*got bool"),
+        (lambda lg: lg.log_update(None), TypeError, r"expected the UpdateRecord"),
+        (lambda lg: lg.postfix(digits=-1), ValueError, r"digits=-1"),
+    ],
+)
+def test_bad_values_are_refused_at_log_naming_the_metric(
+    tmp_path: Path, log, error: type, pattern: str
+) -> None:
+    logger = MetricLogger(tmp_path, every=1)
+    with pytest.raises(error, match=pattern):
+        log(logger)
+    logger.log(0, ok=1.0)  # nothing was staged by the refused call
+    logger.close()
+    assert _rows(tmp_path / "metrics.csv") == [{"step": "0", "ok": "1.0"}]
+
+
+def test_a_sparse_device_tensor_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(logger_module, "_CPU_READS_ARE_FREE", False)  # CPU tensors stand in for a GPU's
+    with pytest.raises(ValueError, match=r"a=<torch.sparse_coo tensor>\): expected a dense tensor"):
+        MetricLogger(tmp_path).log(0, a=torch.eye(1).to_sparse())
+
+
+def test_numpy_scalars_are_numbers(tmp_path: Path) -> None:
+    with MetricLogger(tmp_path) as logger:
+        logger.log(0, a=np.float32(0.5), b=np.int64(3), c=np.float64(0.25))
+    assert _rows(tmp_path / "metrics.csv") == [{"step": "0", "a": "0.5", "b": "3.0", "c": "0.25"}]
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda d: MetricLogger(d / "file.txt"), r"log_dir=.*file\.txt' is a file"),
+        (lambda d: MetricLogger(d, sinks=["csv", "csv"]), r"'csv' twice"),
+        (lambda d: MetricLogger(d, sinks="excel", enabled=False), r"sinks='excel': unknown sink"),
+        (lambda d: MetricLogger(d, sinks=()), r"sinks=\(\): expected at least one sink"),
+    ],
+)
+def test_bad_constructions_are_refused(tmp_path: Path, make, pattern: str) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match=pattern):
+        make(tmp_path)
+
+
+class _Flaky:
+    """A tracker whose fifth row fails (a network hiccup)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        if step == 4:
+            raise ConnectionError("tracker unreachable")
+        self.rows.append(step)
+
+
+def test_a_failing_sink_costs_its_own_rows_only_and_is_named(tmp_path: Path) -> None:
+    flaky = _Flaky()
+    logger = MetricLogger(tmp_path, sinks=[flaky, "csv"], every=4)
+    with pytest.raises(SpeedupsError, match=r"'tracker' sink failed to write steps 4\.\.7 \(ConnectionError"):
+        for step in range(12):
+            logger.log(step, loss=float(step))
+    for step in range(8, 12):
+        logger.log(step, loss=float(step))
+    logger.close()
+    assert [int(r["step"]) for r in _rows(tmp_path / "metrics.csv")] == list(
+        range(12)
+    )  # the CSV has them all
+    assert flaky.rows == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+def test_the_blocks_own_error_is_not_replaced_by_a_sink_failing_at_exit(tmp_path: Path) -> None:
+    flaky = _Flaky()
+    with (
+        pytest.raises(KeyError, match="the user's"),
+        pytest.warns(SpeedupsWarning, match="closing after an error"),
+        MetricLogger(tmp_path, sinks=[flaky, "csv"]) as logger,
+    ):
+        for step in range(6):
+            logger.log(step, loss=float(step))
+        raise KeyError("the user's")
+    assert len(_rows(tmp_path / "metrics.csv")) == 6  # the other sink was written and closed
+
+
+@pytest.mark.parametrize("sinks", [["csv"], ["jsonl"]])
+def test_a_resume_drops_a_line_cut_by_a_kill(tmp_path: Path, sinks: list[str]) -> None:
+    logger = MetricLogger(tmp_path, sinks=sinks)
+    for step in range(10):
+        logger.log(step, loss=float(step))
+        if step == 5:
+            save_checkpoint(tmp_path / "ckpt.pt", logger=logger)
+    logger.close()
+    path = tmp_path / ("metrics.csv" if sinks == ["csv"] else "metrics.jsonl")
+    text = path.read_text()
+    path.write_text(
+        text[: text.index("8") + 1]
+    )  # killed while writing step 8's line: "...\n8" or '{"step": 8'
+    resumed = MetricLogger(tmp_path, sinks=sinks)
+    load_checkpoint(tmp_path / "ckpt.pt", logger=resumed)
+    for step in range(6, 9):
+        resumed.log(step, loss=float(step))
+    resumed.close()
+    if sinks == ["csv"]:
+        steps = [int(r["step"]) for r in _rows(path)]
+    else:
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(9))
+
+
+def test_tracker_sinks_that_cannot_start_fail_at_construction_with_the_fix(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import types
+
+    def no_key(**kwargs):
+        raise RuntimeError("No API key configured")
+
+    def no_store(**kwargs):
+        raise RuntimeError("unsupported URI 'sqlite:///mlflow.db'")
+
+    fakes = {
+        "wandb": types.SimpleNamespace(init=no_key),
+        "mlflow": types.SimpleNamespace(MlflowClient=no_store),
+        "mlflow.entities": types.SimpleNamespace(),
+    }
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: fakes.get(name) or real(name, *a))
+    with pytest.raises(
+        SpeedupsError, match=r"wandb.init failed \(RuntimeError: No API key.*WANDB_MODE=offline"
+    ):
+        MetricLogger(tmp_path, sinks="wandb")
+    with pytest.raises(SpeedupsError, match=r"could not open its tracking store.*MLFLOW_TRACKING_URI"):
+        MetricLogger(sinks="mlflow")

@@ -5,7 +5,7 @@ LossTracker fed rank-dependent values and counts (rank 0: value 1 with n=1; rank
 step) and lr = 0.1 * (rank + 1), every=4, then a row of host values only at step 9 (eval = rank): three
 flushes and three all-reduces. Prints the all-reduce count per rank. The same again into OUT_DIR/device with
 CPU tensors standing in for device tensors. Then a default logger (rank 0's values) writes
-OUT_DIR/rank0/metrics.csv.
+OUT_DIR/rank0/metrics.csv. Last, rank 1 leaves out a value at one step: every rank refuses the flush.
 """
 
 import sys
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from speedups import LossTracker, MetricLogger, init_distributed, rank
+from speedups import LossTracker, MetricLogger, SpeedupsError, init_distributed, rank
 from speedups.metrics import logger as logger_module
 from tests._dist import say
 
@@ -52,5 +52,11 @@ logger_module._CPU_READS_ARE_FREE = True
 with MetricLogger(out / "rank0", sinks="csv", every=4) as own:  # default: rank 0's values, no collective
     for step in range(10):
         own.log(step, loss=torch.tensor(float(step + me)))
+odd = MetricLogger(out / "odd", sinks="csv", every=4, all_ranks=True)
+try:
+    for step in range(4):  # rank 1 has no grad norm at step 2: the all-reduce would not match
+        odd.log(step, loss=1.0, grad_norm=None if (me == 1 and step == 2) else 2.0)
+except SpeedupsError as err:
+    say(f"rank{me} refused: {err}")
 dist.barrier()
 dist.destroy_process_group()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Sink", "run_file"]
+__all__ = ["Sink", "complete_lines", "run_file"]
 
 
 class Sink:
@@ -22,7 +22,7 @@ class Sink:
     name = "sink"
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
-        """Write one row: the values logged at ``step`` (Python floats; NaN where a value is not finite)."""
+        """Write one row: the values logged at ``step`` (Python floats, NaN and infinities included)."""
         raise NotImplementedError
 
     def write_rows(self, rows: Sequence[tuple[int, Mapping[str, float]]]) -> None:
@@ -53,3 +53,13 @@ def run_file(log_dir: Path | None, name: str, sink: str) -> Path:
             f"MetricLogger('runs/my_run', sinks={sink!r})."
         )
     return log_dir / name
+
+
+def complete_lines(path: Path) -> list[str]:
+    """The lines of a run file that were written whole (each with its newline): a process killed while
+    writing leaves a cut last line, which a resumed run drops instead of keeping a fragment."""
+    with open(path, newline="") as f:
+        lines = f.readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    return lines

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from speedups.metrics.sinks.base import Sink
+from speedups.metrics.sinks.base import Sink, complete_lines
 
 __all__ = ["CSVSink"]
 
@@ -33,10 +33,10 @@ class CSVSink(Sink):
     def _rows_kept(self) -> list[dict[str, str]]:
         if self._resume_after is None or not self.path.exists():
             return []
-        with open(self.path, newline="") as f:
-            reader = csv.DictReader(f)
-            self.columns = [c for c in (reader.fieldnames or []) if c != "step"]
-            return [row for row in reader if row.get("step") and int(row["step"]) <= self._resume_after]
+        lines = complete_lines(self.path)
+        reader = csv.DictReader(lines)
+        self.columns = [c for c in (reader.fieldnames or []) if c != "step"]
+        return [row for row in reader if row.get("step") and int(row["step"]) <= self._resume_after]
 
     def _open(self, columns: list[str], rows: list[dict[str, str]]) -> None:
         if self._file is not None:
@@ -67,7 +67,7 @@ class CSVSink(Sink):
             self._file.write(f"{step},{','.join(map(repr, values.values()))}\n")
             return
         cells = [repr(values[name]) if name in values else "" for name in self.columns]
-        self._file.write(f"{step},{','.join(cells)}\n")
+        self._file.write(",".join([str(step), *cells]) + "\n")
 
     def write_rows(self, rows: Sequence[tuple[int, Mapping[str, float]]]) -> None:
         order = self._order

@@ -8,13 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from speedups.metrics.sinks.base import Sink
+from speedups.metrics.sinks.base import Sink, complete_lines
 
 __all__ = ["JSONLinesSink"]
 
 
 class JSONLinesSink(Sink):
-    """One JSON object per row in ``path`` (non-finite values as ``null``). Opened when the first row is
+    """One JSON object per row in ``path`` (NaN and infinities as ``null``: JSON has no such numbers; the
+    CSV and TensorBoard sinks keep them). Opened when the first row is
     written: a new run starts the file afresh, a resumed one keeps the lines up to its step."""
 
     name = "jsonl"
@@ -32,8 +33,8 @@ class JSONLinesSink(Sink):
             kept: list[str] = []
             if self._resume_after is not None and self.path.exists():
                 kept = [
-                    line
-                    for line in self.path.read_text().splitlines()
+                    line.rstrip("\n")
+                    for line in complete_lines(self.path)
                     if line.strip() and json.loads(line).get("step", -1) <= self._resume_after
                 ]
             self.path.parent.mkdir(parents=True, exist_ok=True)

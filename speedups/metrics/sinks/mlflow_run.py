@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from speedups.errors import SpeedupsError
 from speedups.metrics.sinks.base import Sink
 
 __all__ = ["MLflowSink"]
@@ -21,6 +22,7 @@ class MLflowSink(Sink):
     Raises:
         ImportError: the ``mlflow`` package is not installed (``pip install "speedups[mlflow]"``), at
             construction.
+        SpeedupsError: MLflow cannot open its tracking store (the message says how to point it at one).
     """
 
     name = "mlflow"
@@ -36,7 +38,15 @@ class MLflowSink(Sink):
                 "MetricLogger(sinks='mlflow'): the mlflow package is not installed. Install the extra: "
                 "pip install 'speedups[mlflow]' (or pip install mlflow-skinny), or use sinks='csv'."
             ) from None
-        self._client: Any = self._mlflow.MlflowClient(tracking_uri=tracking_uri)
+        try:
+            self._client: Any = self._mlflow.MlflowClient(tracking_uri=tracking_uri)
+        except Exception as err:  # e.g. MLflow 3's default sqlite store without sqlalchemy
+            raise SpeedupsError(
+                f"MetricLogger(sinks='mlflow'): MLflow could not open its tracking store "
+                f"({type(err).__name__}: {err}). Set MLFLOW_TRACKING_URI to a server, or to a local store "
+                f"(file:./mlruns, with MLFLOW_ALLOW_FILE_STORE=true on MLflow 3), or pass "
+                f"MLflowSink(tracking_uri=...)."
+            ) from err
         self._run_id = run_id
         self._experiment = experiment
         self._own = False

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from speedups._helpers import env
+from speedups.errors import SpeedupsError
 from speedups.metrics.sinks.base import Sink
 
 __all__ = ["WandbSink"]
@@ -15,11 +17,13 @@ __all__ = ["WandbSink"]
 
 class WandbSink(Sink):
     """``run.log(values, step=step)`` on a W&B run: the one given, else ``wandb.init(dir=log_dir,
-    **init_kwargs)`` made when the first row is written (and finished at close).
+    **init_kwargs)`` made here on rank 0 (so a missing API key fails now, not at the first write) and
+    finished at close. Without network, run offline: ``WANDB_MODE=offline`` or ``mode="offline"``.
 
     Raises:
         ImportError: the ``wandb`` package is not installed (``pip install "speedups[wandb]"``), at
             construction.
+        SpeedupsError: ``wandb.init`` failed (no API key: ``wandb login``, or run offline).
     """
 
     name = "wandb"
@@ -35,12 +39,23 @@ class WandbSink(Sink):
         self._run = run
         self._own = run is None
         self._init = {**({"dir": str(log_dir)} if log_dir is not None else {}), **init_kwargs}
+        if self._run is None and env.rank() == 0:  # the writer: fail here rather than at step 10,000
+            self._start()
+
+    def _start(self) -> None:
+        if self._init.get("dir"):
+            Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run = self._wandb.init(**self._init)
+        except Exception as err:
+            raise SpeedupsError(
+                f"MetricLogger(sinks='wandb'): wandb.init failed ({type(err).__name__}: {err}). Log in "
+                f"(`wandb login`), or run without network: WANDB_MODE=offline (sync later with `wandb sync`)."
+            ) from err
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         if self._run is None:
-            if self._init.get("dir"):
-                Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
-            self._run = self._wandb.init(**self._init)
+            self._start()
         self._run.log(dict(values), step=step)
 
     def close(self) -> None:

@@ -1,0 +1,96 @@
+"""A run's logged curves as a PNG: :func:`plot_metrics` (the command line is ``python -m speedups.plot``).
+
+Reads what :class:`~speedups.MetricLogger` wrote (``metrics.csv``, else ``metrics.jsonl``) and draws one
+panel per metric against the step, on a matplotlib figure of its own (the Agg canvas: the process's backend
+and pyplot's figures are never touched).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+from speedups._helpers.figures import agg_figure
+
+__all__ = ["plot_metrics", "read_metrics"]
+
+
+def read_metrics(source: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """The logged curves: ``{metric: [(step, value), ...]}`` from a run directory, a CSV or a JSON-lines file.
+
+    Raises:
+        FileNotFoundError: no such file, or a directory without ``metrics.csv`` or ``metrics.jsonl``.
+    """
+    path = Path(source)
+    if path.is_dir():
+        for name in ("metrics.csv", "metrics.jsonl"):
+            if (path / name).is_file():
+                path = path / name
+                break
+        else:
+            raise FileNotFoundError(
+                f"plot_metrics({str(source)!r}): the directory holds no metrics.csv or metrics.jsonl. Pass "
+                f"the log_dir a MetricLogger wrote to, or the file itself."
+            )
+    if not path.is_file():
+        raise FileNotFoundError(f"plot_metrics({str(source)!r}): no such file or directory.")
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with open(path, newline="") as f:
+        rows = (
+            [json.loads(line) for line in f if line.strip()] if path.suffix == ".jsonl" else csv.DictReader(f)
+        )
+        for row in rows:
+            step = int(row["step"])
+            for name, value in row.items():
+                if name != "step" and value not in ("", None):
+                    curves.setdefault(name, []).append((step, float(value)))
+    return curves
+
+
+def plot_metrics(source: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
+    """Draw every logged metric of ``source`` (one panel each, x = step) into a PNG; return its path.
+
+    Args:
+        source: a run directory (``log_dir`` of a :class:`~speedups.MetricLogger`), a ``metrics.csv`` or a
+            ``metrics.jsonl``.
+        output: the PNG to write; None: ``curves.png`` beside the metrics file.
+
+    Raises:
+        FileNotFoundError: nothing to read at ``source``.
+        ValueError: the file holds no metric.
+        ImportError: matplotlib is not installed.
+    """
+    curves = read_metrics(source)
+    if not curves:
+        raise ValueError(f"plot_metrics({str(source)!r}): no metric in it; log some with MetricLogger.log().")
+    source_path = Path(source)
+    if output is not None:
+        out = Path(output)
+    else:
+        out = (source_path if source_path.is_dir() else source_path.parent) / "curves.png"
+    columns = min(3, len(curves))
+    rows = math.ceil(len(curves) / columns)
+    fig = agg_figure((4.0 * columns, 2.8 * rows), needed_by="plot_metrics()")
+    axes = fig.subplots(rows, columns, squeeze=False)
+    for ax, (name, points) in zip(axes.flat, sorted(curves.items()), strict=False):
+        marker = "o" if len(points) < 30 else None  # a metric logged once (per epoch, say) shows as a point
+        ax.plot(
+            [s for s, _ in points],
+            [v for _, v in points],
+            color="#4c72b0",
+            linewidth=1.2,
+            marker=marker,
+            markersize=3,
+        )
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(curves) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
