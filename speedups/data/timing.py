@@ -17,11 +17,13 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from speedups.data.workers import dataloader_parameters
+from speedups.device import to_device
 
 __all__ = [
     "TUNED",
     "LoaderTrial",
     "better",
+    "copy_batch",
     "rebuild_loader",
     "sampler_generators",
     "sampling_kwargs",
@@ -181,17 +183,26 @@ def timing_sampling(loader: DataLoader[Any]) -> dict[str, Any]:
     return {"batch_size": 1, "batch_sampler": _Cycle(sample, count)}
 
 
+def copy_batch(batch: Any, device: torch.device, pinned: bool) -> Any:
+    """What the training loop does with each batch on a GPU: :func:`~speedups.to_device`, asynchronous from
+    the pinned memory of a loader with ``pin_memory`` (``pinned``), a blocking copy from pageable memory."""
+    return to_device(batch, device, non_blocking=pinned)
+
+
 def time_setting(
     loader: DataLoader[Any],
     sampling: Mapping[str, Any],
     setting: tuple[int, bool, int | None],
     share: float,
     generator: torch.Generator,
+    device: torch.device | None = None,
 ) -> LoaderTrial:
     """Time one ``(num_workers, pin_memory, prefetch_factor)`` setting for about ``share`` seconds.
 
     Workers start, a warm-up of ``num_workers * prefetch_factor`` batches (at least 1) is read, then batches
-    are counted until the share is spent (at least 4).
+    are counted until the share is spent (at least 4). With a ``device``, each batch is also copied there
+    (:func:`copy_batch`), and the last stamp waits for the copies: what pinning saves or costs is in the
+    rate, as the loop pays it.
     """
     workers, pin, prefetch = setting
     start = time.perf_counter()
@@ -209,15 +220,22 @@ def time_setting(
     it = iter(timing)
     try:
         for _ in range(warmup):
-            next(it)
+            batch = next(it)
+            if device is not None:
+                copy_batch(batch, device, pin)
         stamps.append(time.perf_counter())
         while time.perf_counter() - start < share or len(stamps) < 4:
-            next(it)
+            batch = next(it)
+            if device is not None:
+                copy_batch(batch, device, pin)
             stamps.append(time.perf_counter())
     except StopIteration:
         pass
     finally:
         del it  # shuts the workers down now
+    if device is not None and device.type == "cuda" and stamps:
+        torch.cuda.synchronize(device)  # the copies still in flight belong to the last batches
+        stamps[-1] = time.perf_counter()
     end = time.perf_counter()
     # The rate over the later two thirds: the first batches after the warm-up may already be waiting in
     # the prefetch queue and would flatter settings with more batches in flight.

@@ -31,6 +31,7 @@ from speedups.data.timing import (
     timing_sampling,
 )
 from speedups.data.workers import start_method, unpicklable_for_workers
+from speedups.device import default_device
 from speedups.errors import SpeedupsWarning
 
 __all__ = ["LoaderReport", "tune_loader"]
@@ -167,7 +168,9 @@ def tune_loader(
     share of ``max_seconds`` after a warm-up of ``num_workers * prefetch_factor`` batches, and keeps its
     better rate. The default grid is 0, 1, 2, 4, ... workers up to the CPUs this process may use (and the
     loader's own count), then ``prefetch_factor=4`` for the fastest, then ``pin_memory`` flipped with CUDA.
-    A setting within 5% of the fastest is a tie, won by fewer workers. Only loading is timed (no training
+    With CUDA each batch is also copied to this process's GPU (:func:`~speedups.to_device`, as the loop
+    does), so pinning is judged by what it saves on the copy. A setting within 5% of the fastest is a tie,
+    won by fewer workers, then by the loader's own ``pin_memory``. Only loading is timed (no training
     step): it helps when ``__getitem__`` is CPU-heavy; for a ``TensorDataset`` in memory 0 workers wins.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
@@ -205,7 +208,8 @@ def tune_loader(
     began = time.perf_counter()
     deadline = began + float(max_seconds)
     method = start_method(loader.multiprocessing_context)
-    cuda = torch.cuda.is_available()
+    copy_to = _copy_target()
+    cuda = copy_to is not None
     iterable = isinstance(loader.dataset, IterableDataset)
     notes: list[str] = []
 
@@ -291,7 +295,7 @@ def tune_loader(
                     notes.append(f"the time budget ran out before {len(missing)} setting(s) could be timed")
                 break
             share = max(0.2, (deadline - now) / max(1, runs - done))
-            trial = time_setting(loader, sampling, setting, share, timing_generator)
+            trial = time_setting(loader, sampling, setting, share, timing_generator, device=copy_to)
             done += 1
             measured[setting] = better(measured.get(setting), trial)
             if bar is not None:
@@ -309,7 +313,7 @@ def tune_loader(
             bar.close()
     report.trials = list(measured.values())
 
-    chosen, reason = _choose(report.trials)
+    chosen, reason = _choose(report.trials, keep_pin=bool(loader.pin_memory))
     workers, pin, prefetch = chosen
     report.chosen = {
         "num_workers": workers,
@@ -331,14 +335,23 @@ def tune_loader(
     return tuned, report
 
 
-def _choose(trials: Sequence[LoaderTrial]) -> tuple[tuple[int, bool, int | None], str]:
+def _copy_target() -> torch.device | None:
+    """The GPU batches go to in the training loop (timed with each setting), None without CUDA."""
+    return default_device() if torch.cuda.is_available() else None
+
+
+def _choose(
+    trials: Sequence[LoaderTrial], keep_pin: bool = False
+) -> tuple[tuple[int, bool, int | None], str]:
     measured = [t for t in trials if t.batches > 0]
     if not measured:
         t = trials[0]
         return (t.num_workers, t.pin_memory, t.prefetch_factor), "nothing could be measured (too few batches)"
     best = max(measured, key=lambda t: t.batches_per_s)
     ties = [t for t in measured if t.batches_per_s >= (1 - _TIE) * best.batches_per_s]
-    pick = min(ties, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory))
+    # ties: fewer workers, then less prefetch, then the loader's own pinning (a tie means flipping it did
+    # not measurably help)
+    pick = min(ties, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory != keep_pin))
     if len(measured) == 1:
         reason = "the only setting timed"
     elif pick is best:

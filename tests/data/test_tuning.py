@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -238,3 +239,41 @@ def test_tune_loader_refuses_a_subclass_it_would_flatten() -> None:
 def test_tune_loader_checks_its_progress_flag() -> None:
     with pytest.raises(TypeError, match=r"progress='no'"):
         tune_loader(DataLoader(list(range(4)), batch_size=2), progress="no")
+
+
+# ------------------------------------------------------------------------------- pinning, with the GPU copy
+@pytest.fixture
+def gpu_copies(monkeypatch):
+    """CUDA stood in: each batch's copy to the GPU costs what it would (a blocking copy from pageable memory,
+    nothing on the host from pinned memory); ``costs`` in seconds per batch."""
+    from speedups.data import timing, tuning
+
+    costs = {"pageable": 0.004, "pinned": 0.0}
+    copies: list[bool] = []
+
+    def copy_batch(batch, device, pinned: bool):
+        copies.append(pinned)
+        time.sleep(costs["pinned" if pinned else "pageable"])
+        return batch
+
+    monkeypatch.setattr(tuning, "_copy_target", lambda: torch.device("meta"))
+    monkeypatch.setattr(timing, "copy_batch", copy_batch)
+    return costs, copies
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")  # no accelerator here to pin for
+def test_with_the_gpu_copy_timed_pinning_is_kept_where_it_saves_the_copy(gpu_copies) -> None:
+    costs, copies = gpu_copies
+    loader = DataLoader(list(range(64)), batch_size=8, pin_memory=False)
+    candidates = [{"num_workers": 0, "pin_memory": False}, {"num_workers": 0, "pin_memory": True}]
+    tuned, report = tune_loader(loader, max_seconds=1, candidates=candidates, progress=False)
+    assert set(copies) == {True, False}  # every setting was timed with its copies
+    assert report.chosen["pin_memory"] is True and tuned.pin_memory is True
+    costs.update(pageable=0.002, pinned=0.002)  # a copy that costs the same either way: a tie keeps the
+    # loader's own pinning
+    for own in (False, True):
+        loader = DataLoader(list(range(64)), batch_size=8, pin_memory=own)
+        assert (
+            tune_loader(loader, max_seconds=1, candidates=candidates, progress=False)[1].chosen["pin_memory"]
+            is own
+        )
