@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+HAS_FSDP2 = hasattr(getattr(__import__("torch").distributed, "fsdp", None), "fully_shard")
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) is public from torch 2.6; older torch skips its tests."""
+FSDP2_REASON = "FSDP2 (torch.distributed.fsdp.fully_shard) is public from torch 2.6"
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 

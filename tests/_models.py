@@ -65,3 +65,12 @@ def reference_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
     opt.zero_grad()
     loss.backward()
     opt.step()
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``grads`` together, as ``clip_grad_norm_`` computes it (``get_total_norm`` from
+    torch 2.6; the same norm of per-tensor norms before)."""
+    get = getattr(torch.nn.utils, "get_total_norm", None)
+    if get is not None:
+        return get(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -19,7 +19,7 @@ from speedups._helpers import hardware as _hardware
 from speedups.accumulation import accumulate
 from speedups.precision import mixed_precision
 from tests._bench import run_quick
-from tests._models import mlp
+from tests._models import mlp, total_norm
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
@@ -82,9 +82,7 @@ def test_fp16_accumulate_clip_unscales_once_per_step(spelling: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step_norms: list[float] = []
     opt.register_step_pre_hook(
-        lambda o, *_: step_norms.append(
-            float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-        )
+        lambda o, *_: step_norms.append(float(total_norm([p.grad for p in model.parameters()])))
     )
     # GradScaler's default first scale (2**16) overflows twice on this problem and skips 2 of the 3 steps
     # while it calibrates; from 2**10 on, no step overflows, so the run can be compared with fp32.

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedups import SpeedupsWarning, UpdateRecord, accumulate, mixed_precision
-from tests._models import linear_data, mlp, reference_step, twin
+from tests._models import linear_data, mlp, reference_step, total_norm, twin
 
 
 # ------------------------------------------------------------------------------ a GAN with one amp object
@@ -268,7 +268,7 @@ def test_the_update_record_holds_the_windows_loss_items_norm_and_learning_rates(
     (record,) = records
     loss = F.mse_loss(ref(X), Y)  # the item-weighted mean of the window is the mean over its 12 rows
     loss.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    norm = total_norm([p.grad for p in ref.parameters()])
     assert record.num_items == sum(sizes) and record.micro_steps == 3 and record.lrs == [0.1]
     torch.testing.assert_close(record.loss, loss.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(record.grad_norm, norm, atol=1e-6, rtol=1e-6)

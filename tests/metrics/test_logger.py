@@ -24,7 +24,7 @@ from speedups import (
 )
 from speedups.metrics import logger as logger_module
 from speedups.metrics.sinks import Sink
-from tests._models import linear_data, twin
+from tests._models import linear_data, total_norm, twin
 from tests._sync_counter import SyncCounter
 
 
@@ -139,7 +139,7 @@ def test_accumulate_updates_are_logged_through_the_hook(tmp_path: Path) -> None:
     ]
     first = F.mse_loss(ref(X[:8]), Y[:8])  # the first window's mean loss, and its gradient's norm
     first.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    norm = total_norm([p.grad for p in ref.parameters()])
     assert float(rows[0]["loss"]) == pytest.approx(first.item(), rel=1e-6)
     assert float(rows[0]["grad_norm"]) == pytest.approx(norm.item(), rel=1e-6)
     assert logger.postfix()["lr"] == "0.025"  # host values of the last row, formatted for tqdm

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from tests._bench import run_quick
-from tests._dist import ROOT, WORKERS, _env, run_torchrun, run_two_nodes
+from tests._dist import HAS_FSDP2, ROOT, WORKERS, _env, run_torchrun, run_two_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -85,6 +85,8 @@ def test_torchrun_two_processes_match_one_process_and_the_checks_hold(tmp_path: 
     for r in results:
         assert r["val_mean"] == pytest.approx(expected, abs=1e-12)
     # FSDP2 via ddp_wrap(strategy="fsdp") and torch.distributed.checkpoint via save/load_checkpoint.
+    if not HAS_FSDP2:
+        return  # FSDP2 is public from torch 2.6
     assert all(r["fsdp_changed"] and r["fsdp_restored"] and r["fsdp_extra"] == {"step": 1} for r in results)
     assert all(r["fsdp_values"] == {"step": 1} for r in results)  # checkpoint_values reads a directory too
     assert (tmp_path / "fsdp_ckpt" / ".metadata").exists()

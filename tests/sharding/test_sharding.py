@@ -271,8 +271,8 @@ def cpu_replicas(request, monkeypatch):
         pytest.skip("DataParallel is a pass-through only without CUDA; see the cuda tests")
     monkeypatch.setattr(sharding_plan, "_resolve_replicas", lambda key, value, said: (CPU,))
     if request.param == "torch 2.4 fallback":
-        monkeypatch.delattr(nn.Module, "register_state_dict_post_hook")
-        monkeypatch.delattr(nn.Module, "register_load_state_dict_pre_hook")
+        monkeypatch.delattr(nn.Module, "register_state_dict_post_hook", raising=False)  # absent before 2.5
+        monkeypatch.delattr(nn.Module, "register_load_state_dict_pre_hook", raising=False)
 
 
 def test_replicated_shard_keeps_unsharded_state_dict_keys_and_values(cpu_replicas) -> None:

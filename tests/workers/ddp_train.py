@@ -28,6 +28,7 @@ from speedups import (
     save_checkpoint,
     seed_everything,
 )
+from tests._dist import HAS_FSDP2
 
 EPOCHS, N, BATCH = 2, 48, 4
 
@@ -98,34 +99,35 @@ if args.checks:
     result["val_mean"] = evaluated.compute()  # one all-reduce, every rank reads
     rank_zero_print("printed once by rank zero")
 
-    # FSDP2 through ddp_wrap, and torch.distributed.checkpoint through save/load_checkpoint.
-    seed_everything(1)
-    sharded = ddp_wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), strategy="fsdp")
-    opt = torch.optim.Adam(sharded.parameters(), lr=0.01)
+    if HAS_FSDP2:  # public from torch 2.6
+        # FSDP2 through ddp_wrap, and torch.distributed.checkpoint through save/load_checkpoint.
+        seed_everything(1)
+        sharded = ddp_wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), strategy="fsdp")
+        opt = torch.optim.Adam(sharded.parameters(), lr=0.01)
 
-    def train_step():
-        sharded(torch.randn(6, 4)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        def train_step():
+            sharded(torch.randn(6, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
 
-    def full():
-        return [p.full_tensor().detach().clone() for p in sharded.parameters()]
+        def full():
+            return [p.full_tensor().detach().clone() for p in sharded.parameters()]
 
-    train_step()
-    save_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, step=1)
-    saved = full()
-    train_step()
-    changed = full()
-    extra = load_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt)
-    restored = full()
-    result["fsdp_changed"] = any(not torch.equal(a, b) for a, b in zip(saved, changed, strict=True))
-    result["fsdp_restored"] = all(torch.equal(a, b) for a, b in zip(saved, restored, strict=True))
-    result["fsdp_extra"] = extra
-    result["fsdp_values"] = checkpoint_values(out / "fsdp_ckpt")  # this rank alone reads the plain values
-    train_step()  # the restored optimizer state works
+        train_step()
+        save_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, step=1)
+        saved = full()
+        train_step()
+        changed = full()
+        extra = load_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt)
+        restored = full()
+        result["fsdp_changed"] = any(not torch.equal(a, b) for a, b in zip(saved, changed, strict=True))
+        result["fsdp_restored"] = all(torch.equal(a, b) for a, b in zip(saved, restored, strict=True))
+        result["fsdp_extra"] = extra
+        result["fsdp_values"] = checkpoint_values(out / "fsdp_ckpt")  # this rank alone reads the plain values
+        train_step()  # the restored optimizer state works
 
 (out / f"rank{rank}.json").write_text(json.dumps(result))
 del model, optimizer  # the DDP model must be gone before the process group (see destroy_distributed)
-if args.checks:
+if args.checks and HAS_FSDP2:
     del sharded, opt
 destroy_distributed()
