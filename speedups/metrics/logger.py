@@ -93,6 +93,22 @@ class _Record:
         return {name: out[name] for name in self.order if name in out}
 
 
+def _on_every_sink(sinks: list[Sink], action: Any, message: str) -> None:
+    """Run ``action(sink)`` on every sink, then raise for the first that failed (``message`` formatted with
+    its ``name`` and ``error``): one failing sink never keeps the others from their turn."""
+    failed = []
+    for sink in sinks:
+        try:
+            action(sink)
+        except Exception as err:
+            failed.append((sink, err))
+    if failed:
+        bad, cause = failed[0]
+        raise SpeedupsError(
+            message.format(name=repr(bad.name), error=f"{type(cause).__name__}: {cause}")
+        ) from cause
+
+
 def _number(step: int, name: str, value: Any) -> float:
     """``value`` as a float; a number beyond float's range is an error naming it."""
     try:
@@ -433,18 +449,12 @@ class MetricLogger:
         latest = self._latest
         for _, values in rows:
             latest.update(values)
-        failed = []
-        for sink in self.sinks:  # a sink that fails costs its own rows, never the other sinks'
-            try:
-                sink.write_rows(rows)
-            except Exception as err:
-                failed.append((sink, err))
-        if failed:
-            bad, cause = failed[0]
-            raise SpeedupsError(
-                f"MetricLogger: the {bad.name!r} sink failed to write steps {rows[0][0]}..{rows[-1][0]} "
-                f"({type(cause).__name__}: {cause}); those rows are lost for it, the other sinks have them."
-            ) from cause
+        _on_every_sink(  # a sink that fails costs its own rows, never the other sinks'
+            self.sinks,
+            lambda sink: sink.write_rows(rows),
+            f"MetricLogger: the {{name}} sink failed to write steps {rows[0][0]}..{rows[-1][0]} ({{error}}); "
+            f"those rows are lost for it, the other sinks have them.",
+        )
 
     def _flush(self, *, block: bool) -> None:
         """Stage what is pending (one copy), then write every batch that landed, or all when ``block``."""
@@ -504,19 +514,13 @@ class MetricLogger:
             self.flush()
         finally:
             self._closed = True
-            errors = []
-            if self._writes():
-                for sink in self.sinks:  # every sink is closed, even after one fails
-                    try:
-                        sink.close()
-                    except Exception as err:
-                        errors.append((sink, err))
-            if errors:
-                bad, cause = errors[0]
-                raise SpeedupsError(
-                    f"MetricLogger.close(): the {bad.name!r} sink failed to close ({type(cause).__name__}: "
-                    f"{cause}); the other sinks were closed."
-                ) from cause
+            if self._writes():  # every sink is closed, even after one fails
+                _on_every_sink(
+                    self.sinks,
+                    lambda sink: sink.close(),
+                    "MetricLogger.close(): the {name} sink failed to close ({error}); the other sinks were "
+                    "closed.",
+                )
 
     def __enter__(self) -> MetricLogger:
         return self

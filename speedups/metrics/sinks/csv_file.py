@@ -5,14 +5,14 @@ from __future__ import annotations
 import csv
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
 
-from speedups.metrics.sinks.base import Sink, complete_lines
+from speedups.metrics.sinks.base import complete_lines
+from speedups.metrics.sinks.file_sink import FileSink
 
 __all__ = ["CSVSink"]
 
 
-class CSVSink(Sink):
+class CSVSink(FileSink):
     """Rows of ``step,<metric>,...`` in ``path``; a metric that first appears later widens the file once
     (the header is rewritten, earlier rows get an empty cell). Opened when the first row is written: a new
     run starts the file afresh, a resumed one keeps the rows up to its step."""
@@ -20,15 +20,10 @@ class CSVSink(Sink):
     name = "csv"
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        super().__init__(path)
         self.columns: list[str] = []
         self._known: set[str] = set()
         self._order: tuple[str, ...] = ()
-        self._file: IO[str] | None = None
-        self._resume_after: int | None = None
-
-    def resume(self, after_step: int) -> None:
-        self._resume_after = after_step
 
     def _rows_kept(self) -> list[dict[str, str]]:
         if self._resume_after is None or not self.path.exists():
@@ -75,12 +70,3 @@ class CSVSink(Sink):
             super().write_rows(rows)  # a first row, or a row that is not every column in order
             return
         self._file.write("".join(f"{step},{','.join(map(repr, values.values()))}\n" for step, values in rows))
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

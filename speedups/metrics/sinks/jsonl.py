@@ -5,28 +5,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
-from typing import IO
 
-from speedups.metrics.sinks.base import Sink, complete_lines
+from speedups.metrics.sinks.base import complete_lines
+from speedups.metrics.sinks.file_sink import FileSink
 
 __all__ = ["JSONLinesSink"]
 
 
-class JSONLinesSink(Sink):
+class JSONLinesSink(FileSink):
     """One JSON object per row in ``path`` (NaN and infinities as ``null``: JSON has no such numbers; the
     CSV and TensorBoard sinks keep them). Opened when the first row is
     written: a new run starts the file afresh, a resumed one keeps the lines up to its step."""
 
     name = "jsonl"
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file: IO[str] | None = None
-        self._resume_after: int | None = None
-
-    def resume(self, after_step: int) -> None:
-        self._resume_after = after_step
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         if self._file is None:
@@ -42,12 +33,3 @@ class JSONLinesSink(Sink):
             self._file.writelines(line + "\n" for line in kept)
         row = {"step": step, **{k: (float(v) if math.isfinite(v) else None) for k, v in values.items()}}
         self._file.write(json.dumps(row) + "\n")
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
