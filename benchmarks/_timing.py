@@ -6,11 +6,15 @@ variants alike; results are medians over rounds, reported as ratios to a named b
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+import torch
 
 # Where charts and the suite's latest.md go; tests point it at a temporary folder.
 RESULTS = Path(os.environ.get("SPEEDUPS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -21,6 +25,26 @@ def shown(path: Path) -> str:
     """``path`` as printed into results: relative to the repository root when inside it (no machine paths)."""
     path = Path(path).resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
+def tiny_mlp_run(argv: list[str] | None, doc: str, steps: int, unit: str) -> tuple[int, int, list[Any], bool]:
+    """The tiny-MLP benchmarks' command line and data: ``(steps, rounds, batches, quick)``.
+
+    ``--quick`` (40 steps, 2 rounds), ``--steps``, ``--rounds`` (9); one compute thread; ``steps`` batches of
+    32 rows of 64 features and a label of 10 classes, the same in every run.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
+    parser.add_argument("--steps", type=int, default=steps, help=f"{unit} per timed pass")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args(argv)
+    steps, rounds = (40, 2) if args.quick else (args.steps, args.rounds)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)
+    ]
+    return steps, rounds, batches, args.quick
 
 
 def compare(

@@ -11,7 +11,6 @@ are installed, Accelerate's ``accumulate`` and Lightning Fabric's ``no_backward_
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
+from benchmarks._timing import RESULTS, compare, ratio_table, save_chart, tiny_mlp_run
 from speedups.accumulation import UpdateRecord, accumulate
 
 EVERY = 4
@@ -107,18 +106,7 @@ def with_fabric(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[]
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
-    parser.add_argument("--steps", type=int, default=400, help="micro-steps per timed epoch")
-    parser.add_argument("--rounds", type=int, default=9)
-    args = parser.parse_args(argv)
-    steps, rounds = (40, 2) if args.quick else (args.steps, args.rounds)
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)
-    ]
+    steps, rounds, batches, quick = tiny_mlp_run(argv, __doc__ or "", 400, "micro-steps")
     variants = {
         "hand-written": hand_written(batches),
         "@accumulate": with_accumulate(batches),
@@ -144,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if skipped:
         print("skipped: " + ", ".join(skipped))
     ratios = {name: s / seconds["hand-written"] for name, s in seconds.items()}
-    if not args.quick:
+    if not quick:
         print(f"chart: {save_chart(RESULTS / 'accumulate.png', title.split(':')[0], ratios)}")
     return ratios
 

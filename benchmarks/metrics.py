@@ -21,7 +21,6 @@ a ``TorchFunctionMode`` counts ``.item()``, ``.tolist()``, ``float()`` and the l
 
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib.util
 import tempfile
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
+from benchmarks._timing import RESULTS, compare, ratio_table, save_chart, tiny_mlp_run
 from speedups.metrics import MetricLogger
 from speedups.metrics import logger as logger_module
 
@@ -211,18 +210,7 @@ def reads_per_call(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
-    parser.add_argument("--steps", type=int, default=500, help="logged steps per timed pass")
-    parser.add_argument("--rounds", type=int, default=9)
-    args = parser.parse_args(argv)
-    steps, rounds = (40, 2) if args.quick else (args.steps, args.rounds)
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)
-    ]
+    steps, rounds, batches, quick = tiny_mlp_run(argv, __doc__ or "", 500, "logged steps")
     makers: dict[str, Callable[[Batches, Path], Callable[[], None]]] = {
         "no logging": no_logging,
         "hand-written csv.writer + .item()": hand_written_csv,
@@ -256,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if skipped:
         print("skipped: " + ", ".join(skipped))
     ratios = {name: s / base for name, s in seconds.items()}
-    if not args.quick:
+    if not quick:
         print(f"chart: {save_chart(RESULTS / 'metrics.png', title.split(':')[0], ratios)}")
     return ratios
 

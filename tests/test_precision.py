@@ -7,6 +7,7 @@ import itertools
 import re
 import sys
 import threading
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -387,20 +388,19 @@ def test_benchmark_quick_mode_prints_its_table() -> None:
     assert re.search(r"auto \(\w+\)\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
 
 
-def _fp16_accumulate_against_grad_scaler(device: str) -> None:
-    """fp16 under @accumulate(4) with clipping equals the PyTorch AMP recipe written by hand: the same
-    GradScaler at the same scale skips the same optimizer steps (targets of scale 10 overflow fp16 at the
-    default 2**16 scale: a GPU skips those steps too) and the weights after them agree."""
+def _half_run(dtype: str, device: str, skipped: list[bool] | None = None) -> tuple[Any, ...]:
+    """@accumulate(4) with clipping over @mixed_precision(dtype) on 40 rows of scale-10 targets (micro-batches
+    of 4, windows 16, 16, 8). Returns (model, its twin before training, the twin's SGD, X, Y, the autocast
+    dtypes seen, the step); ``skipped`` collects each optimizer step's ``last_step_skipped``."""
     X, Y = (t.to(device) for t in _data(40, scale=10.0))
     model = _mlp().to(device)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     seen: list[torch.dtype] = []
-    skipped: list[bool] = []
 
     @accumulate(4, opt, max_grad_norm=1.0)
-    @mixed_precision("fp16", device_type=device)
+    @mixed_precision(dtype, device_type=device)
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = model[0](x)
         seen.append(out.dtype)
@@ -408,10 +408,20 @@ def _fp16_accumulate_against_grad_scaler(device: str) -> None:
 
     for i in range(0, 40, 4):
         train_step(X[i : i + 4], Y[i : i + 4])
-        if train_step.is_boundary:
+        if skipped is not None and train_step.is_boundary:
             skipped.append(train_step.last_step_skipped)
     train_step.flush()
-    skipped.append(train_step.last_step_skipped)
+    if skipped is not None:
+        skipped.append(train_step.last_step_skipped)
+    return model, ref, ref_opt, X, Y, seen, train_step
+
+
+def _fp16_accumulate_against_grad_scaler(device: str) -> None:
+    """fp16 under @accumulate(4) with clipping equals the PyTorch AMP recipe written by hand: the same
+    GradScaler at the same scale skips the same optimizer steps (targets of scale 10 overflow fp16 at the
+    default 2**16 scale: a GPU skips those steps too) and the weights after them agree."""
+    skipped: list[bool] = []
+    model, ref, ref_opt, X, Y, seen, train_step = _half_run("fp16", device, skipped)
 
     scaler = torch.amp.GradScaler(device)  # the AMP recipe: scale, unscale_, clip, step, update
     ref_skipped = []
@@ -447,23 +457,7 @@ def test_cuda_fp16_accumulate_skips_what_the_amp_recipe_skips() -> None:
 def test_cuda_bf16_with_accumulate() -> None:
     if not _hardware.gpu_has_native_bf16():
         pytest.skip("this GPU has no native bf16 (compute capability below 8.0)")
-    X, Y = (t.cuda() for t in _data(40, scale=10.0))
-    model = _mlp().cuda()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    seen: list[torch.dtype] = []
-
-    @accumulate(4, opt, max_grad_norm=1.0)
-    @mixed_precision("bf16", device_type="cuda")
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = model[0](x)
-        seen.append(out.dtype)
-        return F.mse_loss(model[2](model[1](out)), y)
-
-    for i in range(0, 40, 4):
-        train_step(X[i : i + 4], Y[i : i + 4])
-    train_step.flush()
+    model, ref, ref_opt, X, Y, seen, train_step = _half_run("bf16", "cuda")
     assert set(seen) == {torch.bfloat16} and train_step.scaler is None
     for start, stop in [(0, 16), (16, 32), (32, 40)]:
         ref_opt.zero_grad()
