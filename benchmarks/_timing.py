@@ -27,16 +27,18 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
-def tiny_mlp_run(argv: list[str] | None, doc: str, steps: int, unit: str) -> tuple[int, int, list[Any], bool]:
+def tiny_mlp_run(
+    argv: list[str] | None, doc: str, steps: int, unit: str, rounds: int = 9
+) -> tuple[int, int, list[Any], bool]:
     """The tiny-MLP benchmarks' command line and data: ``(steps, rounds, batches, quick)``.
 
-    ``--quick`` (40 steps, 2 rounds), ``--steps``, ``--rounds`` (9); one compute thread; ``steps`` batches of
-    32 rows of 64 features and a label of 10 classes, the same in every run.
+    ``--quick`` (40 steps, 2 rounds), ``--steps``, ``--rounds`` (default ``rounds``); one compute thread;
+    ``steps`` batches of 32 rows of 64 features and a label of 10 classes, the same in every run.
     """
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps and rounds: a smoke run")
     parser.add_argument("--steps", type=int, default=steps, help=f"{unit} per timed pass")
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args(argv)
     steps, rounds = (40, 2) if args.quick else (args.steps, args.rounds)
     torch.set_num_threads(1)

@@ -210,7 +210,7 @@ def reads_per_call(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    steps, rounds, batches, quick = tiny_mlp_run(argv, __doc__ or "", 500, "logged steps")
+    steps, rounds, batches, quick = tiny_mlp_run(argv, __doc__ or "", 500, "logged steps", rounds=21)
     makers: dict[str, Callable[[Batches, Path], Callable[[], None]]] = {
         "no logging": no_logging,
         "hand-written csv.writer + .item()": hand_written_csv,
