@@ -19,7 +19,7 @@ from speedups._helpers.validate import short
 from speedups.accumulation import UpdateRecord
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.metrics.sinks import Sink, make_sink
-from speedups.metrics.sinks.registry import SINKS
+from speedups.metrics.sinks.registry import sink_named
 from speedups.tracking import LossTracker
 
 __all__ = ["MetricLogger"]
@@ -80,17 +80,22 @@ class _Record:
                 pairs.append((name, host[at], host[at + 1]))
                 at += 2
         for name, total, count in pairs:
-            out[name] = total / count if count > 0 else math.nan
+            out[name] = _ratio(total, count)
         at = 0
         for name, tracker in self.names or ():
             if tracker:
                 total, count = device[at], device[at + 1]
-                out[name] = total / count if count > 0 else math.nan
+                out[name] = _ratio(total, count)
                 at += 2
             else:
                 out[name] = device[at] / world
                 at += 1
         return {name: out[name] for name in self.order if name in out}
+
+
+def _ratio(total: float, count: float) -> float:
+    """A tracker's mean from its weighted sum and count: NaN before any item."""
+    return total / count if count > 0 else math.nan
 
 
 def _on_every_sink(sinks: list[Sink], action: Any, message: str) -> None:
@@ -173,21 +178,15 @@ class _Batch:
 
     def rows(self) -> list[tuple[int, dict[str, float]]]:
         """Every record's row (a read of the device values: a sync unless they landed)."""
-        if self.values is None:
-            return [
-                (item.step, item.values()) if isinstance(item, _Record) else item for item in self.pending
-            ]
-        device = self.values.tolist()
+        device = [] if self.values is None else self.values.tolist()
         out, at = [], 0
         for item in self.pending:
-            if not isinstance(item, _Record):
+            if not isinstance(item, _Record):  # (step, row): host values only
                 out.append(item)
-            elif item.flat is None:
-                out.append((item.step, item.values()))
-            else:
-                width = item.flat.numel()
-                out.append((item.step, item.values(device[at : at + width])))
-                at += width
+                continue
+            width = 0 if item.flat is None else item.flat.numel()
+            out.append((item.step, item.values(device[at : at + width])))
+            at += width
         return out
 
 
@@ -257,20 +256,17 @@ class MetricLogger:
             if not specs:
                 raise ValueError(f"sinks={sinks!r}: expected at least one sink. Write sinks='csv'.")
             names = [spec for spec in specs if isinstance(spec, str)]
-            unknown = [name for name in names if name not in SINKS]
-            if unknown:
-                raise ValueError(
-                    f"sinks={unknown[0]!r}: unknown sink. Choose among {sorted(SINKS)}, or pass a sink "
-                    f"object or a tracker with log_metrics(metrics, step)."
-                )
+            for name in names:  # also with enabled=False, where no sink is made
+                sink_named(name)
             twice = sorted({name for name in names if names.count(name) > 1})
             if twice:
                 raise ValueError(f"sinks={specs!r}: {twice[0]!r} twice would write the same rows twice.")
-            if named and Path(log_dir).exists() and not Path(log_dir).is_dir():  # type: ignore[arg-type]
+            folder = Path(log_dir) if log_dir is not None else None
+            if folder is not None and folder.exists() and not folder.is_dir():
                 raise ValueError(
-                    f"log_dir={os.fspath(log_dir)!r} is a file: expected a directory (made if missing)."  # type: ignore[arg-type]
+                    f"log_dir={str(folder)!r} is a file: expected a directory (made if missing)."
                 )
-        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.log_dir = folder
         self.every = every
         self.all_ranks = all_ranks
         self.enabled = enabled
@@ -366,11 +362,7 @@ class MetricLogger:
                     device.extend(totals.unbind())
             elif value is None:
                 continue  # an optional value (a grad norm not computed): not logged at this step
-            elif (
-                isinstance(value, numbers.Real)
-                and not isinstance(value, bool)
-                and type(value).__name__ != "bool_"
-            ):
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # NumPy's bool_ is not Real
                 row[name] = _number(step, name, value)  # a subclass of int or float, a NumPy scalar
             else:
                 raise TypeError(
@@ -482,10 +474,8 @@ class MetricLogger:
     def _reduce_and_write(self) -> None:
         """One all-reduce of every pending record's values, then the means are written (rank 0)."""
         pending = [_as_record(item) for item in self._pending]
-        layout = _layout(pending)
-        arrive(
-            "MetricLogger.flush", token=layout
-        )  # a rank that logged other rows fails here, every rank with it
+        # a rank that logged other rows fails here, and every rank with it, before the all-reduce
+        arrive("MetricLogger.flush", token=_layout(pending))
         dist = torch.distributed
         device = env.comm_device()  # this rank's GPU under NCCL, whatever the current device is
         self._pending = []
@@ -549,7 +539,7 @@ class MetricLogger:
             for record in map(_as_record, self._pending):
                 latest.update(record.row)
                 for name, total, count in record.pairs or ():
-                    latest[name] = total / count if count > 0 else math.nan
+                    latest[name] = _ratio(total, count)
         return {name: f"{value:.{digits}g}" for name, value in latest.items()}
 
     # ------------------------------------------------------------------------------------ checkpoints

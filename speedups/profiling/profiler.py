@@ -36,12 +36,13 @@ class _StepEvents:
     """The CUDA events around one step, one pair per GPU in use (``torch.cuda.Event`` on each GPU's current
     stream), read when the report is made: the step's GPU time is the longest span (the GPU done last)."""
 
+    devices: list[int]
     start: list[Any]
     end: list[Any]
 
     @classmethod
     def begin(cls, devices: list[int]) -> _StepEvents:
-        events = cls([], [])
+        events = cls(devices, [], [])
         for index in devices:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(index))
@@ -49,8 +50,8 @@ class _StepEvents:
             events.end.append(torch.cuda.Event(enable_timing=True))
         return events
 
-    def finish(self, devices: list[int]) -> None:
-        for index, end in zip(devices, self.end, strict=True):
+    def finish(self) -> None:
+        for index, end in zip(self.devices, self.end, strict=True):
             end.record(torch.cuda.current_stream(index))
 
     def seconds(self) -> float:
@@ -307,7 +308,7 @@ class StepProfiler:
             extra = max(record.step_s - (self._last_plain_s or 0.0), 0.0)
             self._next_sample_at = end + max(100 * extra, 10 * (self._last_plain_s or record.step_s))
         if record._events is not None:
-            record._events.finish(self._gpus or [])
+            record._events.finish()
         loss_refs = None
         if sampling is not None:
             counts = sampling.end()

@@ -16,7 +16,7 @@ from speedups.metrics.sinks.tensorboard_events import TensorBoardSink
 from speedups.metrics.sinks.tracker import TrackerSink
 from speedups.metrics.sinks.wandb_run import WandbSink
 
-__all__ = ["SINKS", "make_sink"]
+__all__ = ["SINKS", "make_sink", "sink_named"]
 
 SINKS: dict[str, Callable[[Path | None], Sink]] = {
     "csv": lambda log_dir: CSVSink(run_file(log_dir, "metrics.csv", "csv")),
@@ -25,6 +25,21 @@ SINKS: dict[str, Callable[[Path | None], Sink]] = {
     "wandb": lambda log_dir: WandbSink(log_dir),
     "mlflow": lambda log_dir: MLflowSink(),
 }
+
+
+def sink_named(name: str) -> Callable[[Path | None], Sink]:
+    """The maker of the sink called ``name`` in :data:`SINKS`.
+
+    Raises:
+        ValueError: no sink has that name (the message lists the names).
+    """
+    make = SINKS.get(name)
+    if make is None:
+        raise ValueError(
+            f"sinks={name!r}: unknown sink. Choose among {sorted(SINKS)}, or pass a sink object or a tracker "
+            f"with log_metrics(metrics, step)."
+        )
+    return make
 
 
 def make_sink(spec: Any, log_dir: Path | None) -> Sink:
@@ -38,13 +53,7 @@ def make_sink(spec: Any, log_dir: Path | None) -> Sink:
     if isinstance(spec, Sink):
         return spec
     if isinstance(spec, str):
-        make = SINKS.get(spec)
-        if make is None:
-            raise ValueError(
-                f"MetricLogger(sinks={spec!r}): unknown sink. Choose among {sorted(SINKS)}, or pass a sink "
-                f"object or a tracker with log_metrics(metrics, step)."
-            )
-        return make(log_dir)
+        return sink_named(spec)(log_dir)
     if callable(getattr(spec, "log_metrics", None)):
         return TrackerSink(spec)
     raise TypeError(
