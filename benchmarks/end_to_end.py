@@ -12,7 +12,8 @@ training step spends per sample; the output's second line gives both), a CNN wit
 
 - ``before``: the article's starting loop: ``DataLoader(batch_size=32)`` with ``num_workers=0``, ``.to()``
   per tensor, fp32, ``losses.append(loss.item())`` every step.
-- ``after``: the same loop upgraded as the README teaches: ``fast_loader`` + ``tune_loader``, ``to_device``,
+- ``after``: the same loop upgraded as the README teaches: ``fast_loader`` + ``tune_loader`` (timed with the
+  training step, ``step=``), ``to_device``,
   ``LossTracker``, ``mixed_precision("auto")``, ``find_batch_size`` + ``accumulation_plan`` + ``@accumulate``
   for the recipe's batch (one micro-batch where it fits, as here; ``--max-micro-batch 16`` splits it).
 - ``expert``: the best plain-PyTorch loop with the same ideas (the limit to approach): workers, pinned
@@ -44,6 +45,7 @@ X, A and F: the median of before's time to target over theirs. Y: the median of 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.util
 import os
@@ -144,7 +146,20 @@ def after(task: Task, s: Setup) -> Outcome:
     plan = accumulation_plan(s.batch, largest, world_size=1)  # the recipe's batch, in micro-batches that fit
     sampler = task.sampler(s.seed)
     loader = fast_loader(task.train, plan.micro_batch_size, sampler=sampler)
-    loader, report = tune_loader(loader, max_seconds=s.tune_seconds, progress=False)
+    # Tuning times each worker setting with the training step running here (on copies of the model and
+    # optimizer: it trains nothing), so the workers are judged against the cores the step needs.
+    spare_model = copy.deepcopy(model)
+    spare_optimizer = torch.optim.Adam(spare_model.parameters(), lr=LR)
+
+    def tuning_step(batch: list[torch.Tensor]) -> None:
+        x, y = to_device(batch, device)
+        with amp:
+            loss = F.cross_entropy(spare_model(x), y)
+        loss.backward()
+        spare_optimizer.step()
+        spare_optimizer.zero_grad(set_to_none=True)
+
+    loader, report = tune_loader(loader, max_seconds=s.tune_seconds, progress=False, step=tuning_step)
 
     @accumulate(plan.accumulation_steps, optimizer)
     @amp

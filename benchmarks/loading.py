@@ -9,13 +9,18 @@ shuffled data with the same training step, interleaved round-robin in one run (b
     python -m benchmarks.loading --quick    # a few seconds: smoke mode, small sizes, no chart
 
 Targets on 2 cores: the tuned loader >= 0.9x the best of the grid and >= 1.7x the num_workers=0 loader.
+Per-sample seeds (``fast_loader(..., sample_seeds=True)``) cost at most 1.02x per item: the same loader with
+and without them, loading alone in this process (0 workers), so the ratio is the cost per item.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         f"\ntune_loader chose num_workers={chosen}: {vs_best:.2f}x the best of the grid ({best_name}, "
         f"target >= 0.9x), {vs_zero:.2f}x num_workers=0 (target >= 1.7x on 2 cores)"
     )
+    _sample_seeds_cost(dataset, batch, rounds=2 if quick else 15)
     if not quick:
         path = save_chart(
             RESULTS / "loading.png",
@@ -135,6 +141,42 @@ def main(argv: list[str] | None = None) -> None:
             ylabel="speed-up",
         )
         print(f"chart: {path}")
+
+
+def _sample_seeds_cost(dataset: Dataset, batch: int, rounds: int) -> None:
+    """Print the per-item cost of sample_seeds=True: the same epochs loaded in this process with and without.
+
+    Loading runs in this process (0 workers), so its CPU time (``time.process_time``, which leaves out the
+    time other tenants of a shared machine take) is the whole cost. The two loaders take turns batch by
+    batch (the first of each pair alternating), so a machine that gets slower or faster moves both alike;
+    each round is one epoch of each, and the median of the per-round ratios is printed.
+    """
+    plain = fast_loader(dataset, batch, shuffle=True, seed=0, num_workers=0)
+    seeded = fast_loader(dataset, batch, shuffle=True, seed=0, num_workers=0, sample_seeds=True)
+
+    def timed_next(it: Iterator[Any]) -> float:
+        start = time.process_time()
+        next(it)
+        return time.process_time() - start
+
+    ratios, totals = [], [0.0, 0.0]
+    for r in range(rounds + 1):  # the first round warms up
+        its, spent = [iter(plain), iter(seeded)], [0.0, 0.0]
+        for b in range(len(plain)):
+            for k in (0, 1) if b % 2 else (1, 0):
+                spent[k] += timed_next(its[k])
+        if r:
+            ratios.append(spent[1] / spent[0])
+            totals = [totals[0] + spent[0], totals[1] + spent[1]]
+    items = len(dataset) * rounds  # type: ignore[arg-type]
+    seconds = {"fast_loader": totals[0] / rounds, "sample_seeds=True": totals[1] / rounds}
+    print()
+    print(ratio_table("CPU seconds per epoch loaded in the main process (0 workers)", seconds, "fast_loader"))
+    extra_us = (totals[1] - totals[0]) / items * 1e6
+    print(
+        f"sample_seeds=True: {statistics.median(ratios):.3f}x per item, the median of {rounds} rounds "
+        f"({extra_us:+.1f} us per item; target <= 1.02x)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import torch
@@ -84,3 +85,49 @@ class EpochItems(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i, self.epoch])
+
+
+class Augmented(Dataset):
+    """Item i: a (5,) float64 row: i, then random "augmentation" drawn from torch, random and numpy."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+        self.classes = ["a", "b"]  # an attribute the loop reads through loader.dataset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        draws = [torch.rand(()).item(), random.random(), float(np.random.rand()), torch.randn(()).item()]
+        return torch.tensor([float(i), *draws], dtype=torch.float64)
+
+
+class AugmentedImages(Dataset):
+    """Item i: an (8, 8) image, flipped and cropped at random by torchvision v2 transforms, and its index."""
+
+    def __init__(self, n: int = 16) -> None:
+        from torchvision.transforms import v2
+
+        self.images = torch.arange(n * 64, dtype=torch.float32).reshape(n, 1, 8, 8)
+        self.transform = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomResizedCrop(6, antialias=True)])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.images[i]), i
+
+
+class Costly(Dataset):
+    """Items that take ``ms`` milliseconds each, waiting (on a disk or the network) rather than computing.
+    Item i is a (4,) float32 row of i."""
+
+    def __init__(self, ms: float, n: int = 100_000) -> None:
+        self.seconds, self.n = ms / 1000, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return torch.full((4,), float(i))

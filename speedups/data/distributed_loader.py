@@ -25,7 +25,9 @@ from torch.utils.data import (
 from speedups._helpers import env, validate
 from speedups.data.rank_sampler import RankSampler
 from speedups.data.rank_stream import RankStream, splits_itself
+from speedups.data.sample_keys import SampleKeys
 from speedups.data.sampler_adoption import adopted, check_adoptable
+from speedups.data.seeded_samples import SeededSamples
 from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
@@ -62,6 +64,8 @@ class DistributedLoader(DataLoader):
     def distributed_sampler(self) -> DistributedSampler:
         """The ``DistributedSampler`` (also when it sits inside the loader's ``batch_sampler``)."""
         sampler = self.sampler if self.batch_sampler is None else self.batch_sampler.sampler  # type: ignore[attr-defined]
+        if isinstance(sampler, SampleKeys):  # sample_seeds=True: the keys follow this sampler's epoch
+            sampler = sampler.sampler
         return sampler  # type: ignore[return-value]
 
     def _batch_size(self) -> int:
@@ -321,6 +325,7 @@ def distributed(
     seed: int = 0,
     rank: int | None = None,
     world_size: int | None = None,
+    sample_seeds: bool | None = None,
 ) -> DistributedLoader | DataLoader:
     """Return ``loader`` rebuilt with a ``DistributedSampler``: each rank gets its share of every epoch.
 
@@ -338,6 +343,9 @@ def distributed(
     plain ``DataLoader`` over a :class:`~speedups.data.rank_stream.RankStream`: the stream dealt round-robin
     to every (rank, loader worker), each sample read once per epoch (``even`` drops a last partial round so
     every rank gets as many batches); a dataset with ``splits_by_rank = True`` is trusted to split itself.
+    ``sample_seeds=True`` loads each sample with RNGs seeded from (seed, epoch, sample index), as
+    ``fast_loader(..., sample_seeds=True)`` does: the samples of a global order are then bit-identical
+    for any world size and worker layout, and after a mid-epoch resume.
 
     Sync points: none (each rank computes the same permutation from ``seed + epoch``).
 
@@ -353,6 +361,9 @@ def distributed(
         rank: this process's global rank; None reads it from the process group or ``RANK``/``SLURM_PROCID``
             (the global rank, never the local one).
         world_size: the number of ranks; None reads it like ``rank``.
+        sample_seeds: per-sample random streams (map-style datasets only); None keeps what the loader does
+            (``fast_loader(..., sample_seeds=True)``: kept, with its seed and its shuffling seed, unless
+            ``seed`` says otherwise); True adds them from ``seed``; False removes them.
 
     Returns:
         A :class:`DistributedLoader`; for an ``IterableDataset``, a ``DataLoader`` (its position is the
@@ -362,7 +373,8 @@ def distributed(
         TypeError: ``loader`` is not a DataLoader, or holds a sampler that cannot be split across ranks
             (weighted, subset, custom).
         ValueError: ``rank``/``world_size`` out of range, ``loader`` is already a :class:`DistributedLoader`,
-            an argument contradicts the ``DistributedSampler`` it holds, or ``shuffle=True`` for a stream.
+            an argument contradicts the ``DistributedSampler`` it holds (or the seed of ``fast_loader``'s
+            per-sample order), or ``shuffle=True`` or ``sample_seeds=True`` for a stream.
         SpeedupsError: the environment contradicts itself.
 
     Example:
@@ -383,8 +395,9 @@ def distributed(
         raise ValueError(f"distributed(loader={type(loader).__name__}): this loader is already distributed.")
     said = (
         f"distributed(shuffle={shuffle!r}, even={even!r}, seed={seed!r}, rank={rank!r}, "
-        f"world_size={world_size!r})"
+        f"world_size={world_size!r}"
     )
+    said += ")" if sample_seeds is None else f", sample_seeds={sample_seeds!r})"
     with validate.arguments(said):
         if shuffle is not None:
             validate.flag(shuffle, "shuffle")
@@ -392,17 +405,38 @@ def distributed(
         validate.integer(seed, "seed", example="0 (the same on every rank)")
         validate.integer(world_size, "world_size", minimum=1, none_ok=True)
         validate.integer(rank, "rank", minimum=0, none_ok=True)
+        if sample_seeds is not None:
+            validate.flag(sample_seeds, "sample_seeds")
+        if sample_seeds and isinstance(loader.dataset, IterableDataset):
+            raise ValueError(
+                f"sample_seeds=True needs a map-style dataset, whose items have indices; "
+                f"{type(loader.dataset).__name__} is an IterableDataset. Seed inside the stream, or leave "
+                f"sample_seeds out."
+            )
     if isinstance(loader.dataset, IterableDataset):
         return _stream(loader, said, shuffle, even, _placement(said, rank, world_size))
     batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, SampleKeys):  # fast_loader(batch_sampler=..., sample_seeds=True)
+        batch_sampler = batch_sampler.sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise TypeError(
             f"distributed(loader): its batch_sampler is a {type(batch_sampler).__name__}, which cannot be "
             f"rebuilt around a DistributedSampler. Give the DataLoader a batch_size and a RandomSampler or "
             f"SequentialSampler instead, or split indices by rank inside your batch sampler."
         )
-    inner = loader.sampler if batch_sampler is None else batch_sampler.sampler
-    if isinstance(inner, DistributedSampler):  # code written for torchrun: adopt its split, never split twice
+    inner: Any = loader.sampler if batch_sampler is None else batch_sampler.sampler
+    keys_order = isinstance(inner, SampleKeys) and inner.drive and type(inner.sampler) is RankSampler
+    if isinstance(inner, SampleKeys):
+        inner = inner.sampler
+    if keys_order:  # fast_loader(..., sample_seeds=True)'s own one-rank order: split it, from its seed
+        if seed not in (0, inner.seed):
+            raise ValueError(
+                f"{said}: the loader orders its samples from seed={inner.seed} (fast_loader(..., seed=..., "
+                f"sample_seeds=True)), and seed={seed!r} contradicts it. Leave seed out, or pass "
+                f"seed={inner.seed}."
+            )
+        seed, was_shuffled = inner.seed, bool(inner.shuffle)
+    elif isinstance(inner, DistributedSampler):  # code written for torchrun: adopt its split, not split it
         check_adoptable(inner, loader)
         shuffle, seed, rank, world_size = adopted(inner, shuffle, seed, rank, world_size, said)
         was_shuffled = shuffle
@@ -432,11 +466,26 @@ def distributed(
     )
     if isinstance(inner, DistributedSampler) and inner.drop_last and even:  # its split, tail dropped
         sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
+    dataset, order = _seeded(loader.dataset, sampler, sample_seeds, seed)
     kwargs = _settings(loader)
     if loader.batch_size is not None:  # built from batch_size: keep batch_size and drop_last as attributes
-        kwargs.update(sampler=sampler, batch_size=loader.batch_size, drop_last=loader.drop_last)
+        kwargs.update(sampler=order, batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif batch_sampler is not None:  # the user's own BatchSampler: rebuild it around the new sampler
-        kwargs["batch_sampler"] = BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        kwargs["batch_sampler"] = BatchSampler(order, batch_sampler.batch_size, batch_sampler.drop_last)
     else:
-        kwargs.update(sampler=sampler, batch_size=None)
-    return DistributedLoader(loader.dataset, **kwargs)
+        kwargs.update(sampler=order, batch_size=None)
+    return DistributedLoader(dataset, **kwargs)
+
+
+def _seeded(
+    dataset: Any, sampler: RankSampler, sample_seeds: bool | None, seed: int
+) -> tuple[Any, RankSampler | SampleKeys]:
+    """The dataset and sampler of the rebuilt loader, with per-sample streams if asked or already there."""
+    if isinstance(dataset, SeededSamples):
+        if sample_seeds is False:
+            return dataset.dataset, sampler
+    elif sample_seeds:
+        dataset = SeededSamples(dataset, seed & ((1 << 63) - 1))
+    else:
+        return dataset, sampler
+    return dataset, SampleKeys(sampler, drive=False)  # the keys follow the epoch this loader sets

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from speedups.data.sample_keys import SampleKeys
 from speedups.data.workers import dataloader_parameters
 from speedups.device import to_device
 
@@ -173,8 +174,11 @@ def timing_sampling(loader: DataLoader[Any]) -> dict[str, Any]:
         if loader.batch_sampler is None:
             return {"batch_size": None, "sampler": batches}
         return {"batch_size": 1, "batch_sampler": batches}
+    source = loader.batch_sampler
+    if isinstance(source, SampleKeys):  # sample_seeds: read the user's batch sampler, not the pass counter
+        source = source.sampler
     sample = []
-    for batch in loader.batch_sampler:
+    for batch in source:
         sample.append(batch)
         if len(sample) >= 256:
             break
@@ -196,13 +200,15 @@ def time_setting(
     share: float,
     generator: torch.Generator,
     device: torch.device | None = None,
+    step: Callable[[Any], object] | None = None,
 ) -> LoaderTrial:
     """Time one ``(num_workers, pin_memory, prefetch_factor)`` setting for about ``share`` seconds.
 
     Workers start, a warm-up of ``num_workers * prefetch_factor`` batches (at least 1) is read, then batches
     are counted until the share is spent (at least 4). With a ``device``, each batch is also copied there
     (:func:`copy_batch`), and the last stamp waits for the copies: what pinning saves or costs is in the
-    rate, as the loop pays it.
+    rate, as the loop pays it. With a ``step``, it is called on each batch (as copied) in this process, so
+    the rate is the loop's: loading and the step competing for the same cores.
     """
     workers, pin, prefetch = setting
     start = time.perf_counter()
@@ -220,21 +226,17 @@ def time_setting(
     it = iter(timing)
     try:
         for _ in range(warmup):
-            batch = next(it)
-            if device is not None:
-                copy_batch(batch, device, pin)
+            _use(next(it), device, pin, step)
         stamps.append(time.perf_counter())
         while time.perf_counter() - start < share or len(stamps) < 4:
-            batch = next(it)
-            if device is not None:
-                copy_batch(batch, device, pin)
+            _use(next(it), device, pin, step)
             stamps.append(time.perf_counter())
     except StopIteration:
         pass
     finally:
         del it  # shuts the workers down now
     if device is not None and device.type == "cuda" and stamps:
-        torch.cuda.synchronize(device)  # the copies still in flight belong to the last batches
+        torch.cuda.synchronize(device)  # the copies (and steps) still in flight belong to the last batches
         stamps[-1] = time.perf_counter()
     end = time.perf_counter()
     # The rate over the later two thirds: the first batches after the warm-up may already be waiting in
@@ -244,6 +246,14 @@ def time_setting(
     elapsed = stamps[-1] - stamps[first] if stamps else 0.0
     rate = batches / elapsed if batches > 0 and elapsed > 0 else 0.0
     return LoaderTrial(workers, pin, prefetch, rate, batches, end - start)
+
+
+def _use(batch: Any, device: torch.device | None, pinned: bool, step: Callable[[Any], object] | None) -> None:
+    """What the loop does with a batch: copy it to the device (with CUDA), then run the step (if given)."""
+    if device is not None:
+        batch = copy_batch(batch, device, pinned)
+    if step is not None:
+        step(batch)
 
 
 def better(old: LoaderTrial | None, new: LoaderTrial) -> LoaderTrial:

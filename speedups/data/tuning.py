@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ class LoaderReport:
         reason: why those, in one or two sentences.
         seconds: total wall time of the tuning.
         start_method: the multiprocessing start method the workers use.
+        measured: what each rate is of: ``"loading alone"``, or ``"loading with the training step"``
+            (``tune_loader(step=...)``: batches/s of the whole loop).
     """
 
     trials: list[LoaderTrial] = field(default_factory=list)
@@ -58,11 +60,12 @@ class LoaderReport:
     reason: str = ""
     seconds: float = 0.0
     start_method: str = ""
+    measured: str = "loading alone"
 
     def __str__(self) -> str:
         lines = [
             f"tune_loader: {len(self.trials)} setting(s) timed in {self.seconds:.1f} s "
-            f"(start method {self.start_method!r})",
+            f"(start method {self.start_method!r}); measured: {self.measured}",
             f"{'num_workers':>11}  {'pin_memory':>10}  {'prefetch':>8}  {'batches/s':>10}  {'batches':>7}",
         ]
         for t in self.trials:
@@ -83,7 +86,7 @@ class LoaderReport:
 
 
 def _check_tune_args(
-    loader: object, max_seconds: object, candidates: object, progress: object
+    loader: object, max_seconds: object, candidates: object, progress: object, step: object = None
 ) -> list[dict[str, Any]] | None:
     """Validate ``tune_loader``'s arguments; return the candidates as full dicts, or None for the grid."""
     if not isinstance(loader, DataLoader):
@@ -100,6 +103,11 @@ def _check_tune_args(
         )
     with validate.arguments(f"tune_loader(max_seconds={max_seconds!r}, candidates={candidates!r})"):
         validate.flag(progress, "progress")
+        if step is not None and not callable(step):
+            raise TypeError(
+                f"step={short(step)}: expected a function of one batch (the training step), or None to time "
+                f"loading alone. Pass e.g. step=lambda batch: train_step(*batch)."
+            )
         validate.real(max_seconds, "max_seconds", positive=True, example="20 (seconds)")
         if candidates is None:
             return None
@@ -161,6 +169,7 @@ def tune_loader(
     max_seconds: float = 20.0,
     candidates: Sequence[Mapping[str, Any]] | None = None,
     progress: bool = True,
+    step: Callable[[Any], object] | None = None,
 ) -> tuple[DataLoader[Any], LoaderReport]:
     """Time a few loader settings on this machine and return a loader rebuilt with the fastest one.
 
@@ -170,12 +179,18 @@ def tune_loader(
     loader's own count), then ``prefetch_factor=4`` for the fastest, then ``pin_memory`` flipped with CUDA.
     With CUDA each batch is also copied to this process's GPU (:func:`~speedups.to_device`, as the loop
     does), so pinning is judged by what it saves on the copy. A setting within 5% of the fastest is a tie,
-    won by fewer workers, then by the loader's own ``pin_memory``. Only loading is timed (no training
-    step): it helps when ``__getitem__`` is CPU-heavy; for a ``TensorDataset`` in memory 0 workers wins.
+    won by fewer workers, then by the loader's own ``pin_memory``. Without ``step`` only loading is timed:
+    right when the step runs elsewhere (a GPU) and ``__getitem__`` is CPU-heavy. With ``step`` each batch
+    also goes through the training step in this process, so workers are judged against the cores the step
+    needs: where the step uses every core and loading is cheap, 0 workers wins; where loading dominates,
+    workers do. The step runs for real on timing batches: give one without lasting effects (a copy of the
+    model and optimizer, or forward and backward without ``optimizer.step()``); RNG states are restored.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
     ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
     persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on).
+    Random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``;
+    otherwise it draws from each worker's stream, which depends on the worker count.
     Timing reads its own indices on a copy of the generator and restores the global RNG states (state a
     dataset keeps in itself, such as its own ``numpy.random.Generator``, does advance). Unpicklable code
     under ``spawn``/``forkserver`` keeps 0 workers, and an ``IterableDataset`` its worker count, each with
@@ -187,6 +202,8 @@ def tune_loader(
         candidates: settings to time instead of the grid, e.g.
             ``[{"num_workers": 0}, {"num_workers": 4, "prefetch_factor": 4, "pin_memory": True}]``.
         progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
+        step: the training step, called as ``step(batch)`` on every timed batch (after the copy to the GPU
+            with CUDA); None times loading alone.
 
     Returns:
         ``(new_loader, report)``: a plain ``DataLoader`` and a :class:`LoaderReport` (``print`` it).
@@ -204,7 +221,7 @@ def tune_loader(
         >>> report.chosen["num_workers"]
         0
     """
-    explicit = _check_tune_args(loader, max_seconds, candidates, progress)
+    explicit = _check_tune_args(loader, max_seconds, candidates, progress, step)
     began = time.perf_counter()
     deadline = began + float(max_seconds)
     method = start_method(loader.multiprocessing_context)
@@ -274,7 +291,8 @@ def tune_loader(
     timing_generator = torch.Generator()
     if loader.generator is not None:
         timing_generator.set_state(loader.generator.get_state())
-    report = LoaderReport(start_method=method)
+    measured_what = "loading alone" if step is None else "loading with the training step"
+    report = LoaderReport(start_method=method, measured=measured_what)
     # Each setting is timed twice, round-robin, and keeps its better rate: on a busy machine a burst of
     # someone else's work slows one run, rarely both.
     rounds = 2 if len(plan) > 1 or extra_phases else 1
@@ -295,7 +313,9 @@ def tune_loader(
                     notes.append(f"the time budget ran out before {len(missing)} setting(s) could be timed")
                 break
             share = max(0.2, (deadline - now) / max(1, runs - done))
-            trial = time_setting(loader, sampling, setting, share, timing_generator, device=copy_to)
+            trial = time_setting(
+                loader, sampling, setting, share, timing_generator, device=copy_to, step=step
+            )
             done += 1
             measured[setting] = better(measured.get(setting), trial)
             if bar is not None:

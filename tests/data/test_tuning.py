@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 from speedups import LoaderReport, SpeedupsWarning, fast_loader, tune_loader
 from tests._bench import run_quick
-from tests._loading_data import Squares, Stream, record_init
+from tests._loading_data import Costly, Squares, Stream, record_init
 
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
 needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
@@ -207,6 +207,7 @@ def test_iterable_dataset_keeps_its_workers_and_says_so() -> None:
         ({"candidates": [{"workers": 2}]}, ValueError, "each candidate"),
         ({"candidates": [{"num_workers": -1}]}, ValueError, ">= 0"),
         ({"candidates": [{"num_workers": 0, "prefetch_factor": 2}]}, ValueError, "prefetch_factor"),
+        ({"step": "train"}, TypeError, r"step='train': expected a function of one batch"),
     ],
 )
 def test_tune_loader_bad_input(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -280,3 +281,51 @@ def test_a_tie_keeps_the_loaders_own_pinning() -> None:
         assert _choose(trials, keep_pin=own)[0] == (2, own, 2)
     trials[1] = LoaderTrial(2, True, 2, 130.0, 65, 1.0)  # pinning helps: it wins whatever the loader had
     assert _choose(trials, keep_pin=False)[0] == (2, True, 2)
+
+
+# ------------------------------------------------------------- tune_loader(step=): the loop's own contention
+BOTH = [{"num_workers": 0}, {"num_workers": 2}]
+
+
+@pytest.fixture
+def every_core():
+    """Intra-op threads on every core, as a CPU training step has them; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, len(os.sched_getaffinity(0))))
+    yield
+    torch.set_num_threads(before)
+
+
+def _step(matmuls: int, seen: list):
+    """A synthetic training step: ``matmuls`` 384x384 products on every core (a few ms each)."""
+    a = torch.randn(384, 384, generator=torch.Generator().manual_seed(0))
+
+    def step(batch: torch.Tensor) -> None:
+        seen.append(batch)
+        for _ in range(matmuls):
+            a @ a
+
+    return step
+
+
+@needs_fork
+@pytest.mark.slow
+def test_a_step_on_every_core_makes_workers_lose_where_loading_is_cheap(every_core) -> None:
+    seen: list = []
+    cheap = DataLoader(TensorDataset(torch.arange(80_000.0).reshape(-1, 4)), batch_size=8)
+    _, report = tune_loader(cheap, candidates=BOTH, step=_step(8, seen), max_seconds=3, progress=False)
+    assert report.chosen["num_workers"] == 0, str(report)
+    assert report.measured == "loading with the training step"
+    assert "measured: loading with the training step" in str(report)
+    assert seen and all(len(b) == 1 and b[0].shape == (8, 4) for b in seen)  # the loop's batches
+
+
+@needs_fork
+@pytest.mark.slow
+def test_where_loading_dominates_the_step_two_workers_are_chosen(every_core) -> None:
+    slow_items = DataLoader(Costly(1.0), batch_size=8)  # 8 ms per batch, waiting on I/O
+    _, report = tune_loader(slow_items, candidates=BOTH, step=_step(1, []), max_seconds=3, progress=False)
+    assert report.chosen["num_workers"] == 2, str(report)
+    assert report.measured == "loading with the training step"
+    _, alone = tune_loader(DataLoader(list(range(8))), candidates=BOTH[:1], max_seconds=1, progress=False)
+    assert alone.measured == "loading alone" and "measured: loading alone" in str(alone)

@@ -10,17 +10,21 @@ processes, DDP through ``ddp_wrap``), empty otherwise.
 The run: ``distributed(fast_loader(shuffle=True, num_workers=2))`` (persistent workers except in fp32),
 dropout, ``@accumulate(3)`` over 5 micro-steps per epoch (windows of 3 and 2), AdamW with a StepLR
 scheduler, ``mixed_precision`` bf16 or fp16 with a CPU GradScaler (only the step is saved, not the
-``mixed_precision`` object), ``LossTracker``. Every micro-step's sample indices are recorded.
+``mixed_precision`` object), ``LossTracker``. Every micro-step's sample indices and inputs are recorded.
+PRECISION ``augment`` is fp32 with random augmentation in ``__getitem__`` (torch, ``random`` and NumPy
+draws) in 2 persistent workers, under ``fast_loader(..., sample_seeds=True)``.
 """
 
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from speedups import (
     LossTracker,
@@ -40,17 +44,35 @@ DDP = "WORLD_SIZE" in os.environ
 torch.set_num_threads(1)
 
 
+class Augmented(Dataset):
+    """A TensorDataset's items with noise drawn in __getitem__ from torch, random and NumPy."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        idx, x, y = self.data[i]
+        noise = torch.randn(4) * 0.1 + random.gauss(0.0, 0.1) + float(np.random.normal(0.0, 0.1))
+        return idx, x + noise, y
+
+
 def build():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.arange(N), torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g) * 3)
+    augment = precision == "augment"
+    if augment:
+        data = Augmented(data)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 1))
     if DDP:
         model = ddp_wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
     extra = {"persistent_workers": False} if precision == "fp32" else {}
-    loader = distributed(fast_loader(data, BATCH, shuffle=True, num_workers=2, **extra))
+    loader = distributed(fast_loader(data, BATCH, shuffle=True, num_workers=2, sample_seeds=augment, **extra))
     amp = None
     if precision == "bf16":
         amp = mixed_precision("bf16", device_type="cpu")
@@ -77,7 +99,7 @@ def run(resume_from=None, save_dir=None):
         for idx, x, y in train_step.epoch(loader):
             loss = train_step(x, y)
             tracker.update(loss, n=len(y))
-            seen.append((train_step.step, idx.clone()))
+            seen.append((train_step.step, idx.clone(), x.clone()))
             if save_dir is not None and epoch == 0:
                 save_checkpoint(save_dir / f"k{train_step.step}.pt", **state, epoch=epoch)
         tracker.end_epoch()

@@ -1,0 +1,59 @@
+"""The sampler side of per-sample random streams: a sampler's indices handed out as ``(index, epoch)`` keys.
+
+The keys are made in the main process, where the epoch is known, and travel with each index to whichever
+worker loads it; :class:`~speedups.data.seeded_samples.SeededSamples` seeds the item from its key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import Sampler
+
+__all__ = ["SampleKeys"]
+
+
+class SampleKeys(Sampler):
+    """Wrap a sampler (or a batch sampler) so each index ``i`` of a pass comes out as the key ``(i, epoch)``.
+
+    The epoch of a pass is the wrapped sampler's ``epoch`` when it follows one (a ``DistributedSampler``,
+    whose ``set_epoch`` the caller drives: ``drive=False``). Otherwise this object counts passes, 0, 1, 2, ...
+    (``drive=True``), calls the wrapped sampler's ``set_epoch`` before each pass when it has one, and
+    ``set_epoch(k)`` makes the next pass epoch k. ``len()`` is the wrapped sampler's.
+
+    Args:
+        sampler: yields int indices, or lists of them (``batched=True``).
+        batched: the sampler is a batch sampler.
+        drive: count passes here (True), or read the wrapped sampler's ``epoch`` (False).
+    """
+
+    def __init__(self, sampler: Any, *, batched: bool = False, drive: bool = True) -> None:
+        self.sampler, self.batched, self.drive = sampler, batched, drive
+        self.next_epoch = 0
+        """The epoch of the next pass (``drive=True``)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (and set it on the wrapped sampler, if it has ``set_epoch``)."""
+        self.next_epoch = epoch
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.drive:
+            epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+            if callable(getattr(self.sampler, "set_epoch", None)):
+                self.sampler.set_epoch(epoch)
+        else:
+            epoch = int(self.sampler.epoch)
+        indices = iter(self.sampler)  # now: a sampler that reads its start position eagerly keeps doing so
+        if self.batched:
+            return ([(i, epoch) for i in batch] for batch in indices)
+        return zip(indices, itertools.repeat(epoch))
+
+    def __repr__(self) -> str:
+        return f"SampleKeys({self.sampler!r}, batched={self.batched}, drive={self.drive})"
