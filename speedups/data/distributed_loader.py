@@ -343,9 +343,7 @@ def distributed(
     plain ``DataLoader`` over a :class:`~speedups.data.rank_stream.RankStream`: the stream dealt round-robin
     to every (rank, loader worker), each sample read once per epoch (``even`` drops a last partial round so
     every rank gets as many batches); a dataset with ``splits_by_rank = True`` is trusted to split itself.
-    ``sample_seeds=True`` loads each sample with RNGs seeded from (seed, epoch, sample index), as
-    ``fast_loader(..., sample_seeds=True)`` does: the samples of a global order are then bit-identical
-    for any world size and worker layout, and after a mid-epoch resume.
+    ``sample_seeds=True`` seeds each sample's RNGs from (seed, epoch, index), as ``fast_loader`` can.
 
     Sync points: none (each rank computes the same permutation from ``seed + epoch``).
 
@@ -361,9 +359,8 @@ def distributed(
         rank: this process's global rank; None reads it from the process group or ``RANK``/``SLURM_PROCID``
             (the global rank, never the local one).
         world_size: the number of ranks; None reads it like ``rank``.
-        sample_seeds: per-sample random streams (map-style datasets only); None keeps what the loader does
-            (``fast_loader(..., sample_seeds=True)``: kept, with its seed and its shuffling seed, unless
-            ``seed`` says otherwise); True adds them from ``seed``; False removes them.
+        sample_seeds: per-sample random streams; None keeps the loader's (``fast_loader``'s, with its
+            seed), True adds them (from ``seed``) where missing, False removes them.
 
     Returns:
         A :class:`DistributedLoader`; for an ``IterableDataset``, a ``DataLoader`` (its position is the

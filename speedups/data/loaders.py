@@ -83,14 +83,9 @@ def fast_loader(
     reproducibly from ``seed`` or ``generator``. Any other keyword goes to ``DataLoader`` and wins. It does
     not help a ``TensorDataset`` already in memory: measure with :func:`~speedups.tune_loader`.
 
-    ``sample_seeds=True`` loads each sample with torch's CPU RNG, ``random`` and numpy seeded from (seed,
-    epoch, sample index), restoring the process's own states after each batch: random augmentation in
-    ``__getitem__`` then gives bit-identical batches for any ``num_workers``, persistent or not, any
-    ``prefetch_factor``, under :func:`~speedups.distributed` with any world size, and after a mid-epoch
-    resume. The order becomes ``DistributedSampler``'s (a permutation drawn from ``seed + epoch``), so it does
-    not depend on the workers either; the epoch counts passes (``loader.sampler.set_epoch(k)`` to start
-    elsewhere). It costs about 7 us per item; off by default, since a ported script's augmentation and
-    order would no longer be its original's (see :class:`~speedups.data.seeded_samples.SeededSamples`).
+    ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
+    so random augmentation gives the same batches for any workers, world size or resume; the order becomes
+    ``DistributedSampler``'s (``seed + epoch``). About 10 us per item; README, Tip 1, says when to use it.
 
     Args:
         dataset: a map-style or iterable-style dataset.
@@ -99,8 +94,8 @@ def fast_loader(
         num_workers: ``"auto"`` or a number of worker processes >= 0.
         seed: seed of a new ``torch.Generator`` for shuffling and the workers' seeds (not with
             ``generator=``); None uses the global torch RNG.
-        sample_seeds: per-sample random streams (a map-style dataset with int indices); their seed is
-            ``seed``, else ``generator.initial_seed()``, else ``torch.initial_seed()``.
+        sample_seeds: per-sample random streams (int indices); seeded from ``seed``, else
+            ``generator.initial_seed()``, else ``torch.initial_seed()``.
         **dataloader_kwargs: any other ``DataLoader`` argument (``collate_fn``, ``sampler``, ...).
 
     Returns:

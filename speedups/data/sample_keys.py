@@ -12,6 +12,8 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from speedups._helpers import validate
+
 __all__ = ["SampleKeys"]
 
 
@@ -35,7 +37,13 @@ class SampleKeys(Sampler):
         """The epoch of the next pass (``drive=True``)."""
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch`` (and set it on the wrapped sampler, if it has ``set_epoch``)."""
+        """Make the next pass epoch ``epoch`` (and set it on the wrapped sampler, if it has ``set_epoch``).
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an int >= 0.
+        """
+        with validate.arguments(f"loader.sampler.set_epoch(epoch={epoch!r})"):
+            validate.integer(epoch, "epoch", minimum=0, example="0")
         self.next_epoch = epoch
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)

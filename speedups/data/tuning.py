@@ -179,18 +179,14 @@ def tune_loader(
     loader's own count), then ``prefetch_factor=4`` for the fastest, then ``pin_memory`` flipped with CUDA.
     With CUDA each batch is also copied to this process's GPU (:func:`~speedups.to_device`, as the loop
     does), so pinning is judged by what it saves on the copy. A setting within 5% of the fastest is a tie,
-    won by fewer workers, then by the loader's own ``pin_memory``. Without ``step`` only loading is timed:
-    right when the step runs elsewhere (a GPU) and ``__getitem__`` is CPU-heavy. With ``step`` each batch
-    also goes through the training step in this process, so workers are judged against the cores the step
-    needs: where the step uses every core and loading is cheap, 0 workers wins; where loading dominates,
-    workers do. The step runs for real on timing batches: give one without lasting effects (a copy of the
-    model and optimizer, or forward and backward without ``optimizer.step()``); RNG states are restored.
+    won by fewer workers, then by the loader's own ``pin_memory``. Without ``step`` only loading is timed;
+    with it each batch also goes through the training step here, so workers compete with the step for the
+    cores, as in training. The step runs for real: give it copies of the model and optimizer.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
     ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
-    persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on).
-    Random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``;
-    otherwise it draws from each worker's stream, which depends on the worker count.
+    persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on);
+    random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``.
     Timing reads its own indices on a copy of the generator and restores the global RNG states (state a
     dataset keeps in itself, such as its own ``numpy.random.Generator``, does advance). Unpicklable code
     under ``spawn``/``forkserver`` keeps 0 workers, and an ``IterableDataset`` its worker count, each with

@@ -260,3 +260,8 @@ def test_bad_input_is_refused_before_anything_is_built() -> None:
     words = fast_loader({"a": 1.0, "b": 2.0}, 1, sampler=["a", "b"], sample_seeds=True, num_workers=0)
     with pytest.raises(TypeError, match=r"index 'a' \(str\); per-sample seeds need integer indices"):
         list(words)
+    loader = fast_loader(Augmented(), 4, sample_seeds=True, num_workers=0)
+    for bad, error in ((-1, ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"set_epoch\(epoch=.*\): epoch="):
+            loader.sampler.set_epoch(bad)
+    assert loader.sampler.next_epoch == 0  # unchanged
