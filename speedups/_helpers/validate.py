@@ -54,7 +54,9 @@ def _fix(name: str, example: str | None) -> str:
 def flag(value: object, name: str) -> bool:
     """Return ``value`` if it is a bool; else raise ``TypeError`` naming ``name``."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={short(value)}: expected True or False, got {type(value).__name__}.")
+        kind = type(value)
+        got = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name}={short(value)}: expected True or False, got {got}.")
     return value
 
 

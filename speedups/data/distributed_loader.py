@@ -359,8 +359,8 @@ def distributed(
         rank: this process's global rank; None reads it from the process group or ``RANK``/``SLURM_PROCID``
             (the global rank, never the local one).
         world_size: the number of ranks; None reads it like ``rank``.
-        sample_seeds: per-sample random streams; None keeps the loader's (``fast_loader``'s, with its
-            seed), True adds them (from ``seed``) where missing, False removes them.
+        sample_seeds: per-sample random streams; None keeps the loader's (with ``fast_loader``'s ``seed=``
+            if it had one, else ``seed``), True adds them (from ``seed``) where missing, False removes them.
 
     Returns:
         A :class:`DistributedLoader`; for an ``IterableDataset``, a ``DataLoader`` (its position is the
@@ -399,11 +399,15 @@ def distributed(
         if shuffle is not None:
             validate.flag(shuffle, "shuffle")
         validate.flag(even, "even")
-        validate.integer(seed, "seed", example="0 (the same on every rank)")
+        validate.integer(
+            seed, "seed", minimum=-(2**63), maximum=2**63 - 1, example="0 (the same on every rank)"
+        )
         validate.integer(world_size, "world_size", minimum=1, none_ok=True)
         validate.integer(rank, "rank", minimum=0, none_ok=True)
         if sample_seeds is not None:
             validate.flag(sample_seeds, "sample_seeds")
+        if sample_seeds or (sample_seeds is None and isinstance(loader.dataset, SeededSamples)):
+            validate.integer(seed, "seed", minimum=0, maximum=2**63 - 1, example="0 (with sample_seeds)")
         if sample_seeds and isinstance(loader.dataset, IterableDataset):
             raise ValueError(
                 f"sample_seeds=True needs a map-style dataset, whose items have indices; "
@@ -425,7 +429,10 @@ def distributed(
     keys_order = isinstance(inner, SampleKeys) and inner.drive and type(inner.sampler) is RankSampler
     if isinstance(inner, SampleKeys):
         inner = inner.sampler
-    if keys_order:  # fast_loader(..., sample_seeds=True)'s own one-rank order: split it, from its seed
+    explicit = keys_order and isinstance(loader.dataset, SeededSamples) and loader.dataset.explicit
+    if keys_order and not explicit:  # fast_loader(..., sample_seeds=True) without seed=: ours, as for any
+        was_shuffled = bool(inner.shuffle)
+    elif keys_order:  # fast_loader(..., seed=..., sample_seeds=True)'s one-rank order: split, from its seed
         if seed not in (0, inner.seed):
             raise ValueError(
                 f"{said}: the loader orders its samples from seed={inner.seed} (fast_loader(..., seed=..., "
@@ -481,8 +488,10 @@ def _seeded(
     if isinstance(dataset, SeededSamples):
         if sample_seeds is False:
             return dataset.dataset, sampler
+        if not dataset.explicit:  # fast_loader's seed came from torch.initial_seed(): ranks may differ
+            dataset = SeededSamples(dataset.dataset, seed)
     elif sample_seeds:
-        dataset = SeededSamples(dataset, seed & ((1 << 63) - 1))
+        dataset = SeededSamples(dataset, seed)
     else:
         return dataset, sampler
     return dataset, SampleKeys(sampler, drive=False)  # the keys follow the epoch this loader sets

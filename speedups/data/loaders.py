@@ -94,8 +94,8 @@ def fast_loader(
         num_workers: ``"auto"`` or a number of worker processes >= 0.
         seed: seed of a new ``torch.Generator`` for shuffling and the workers' seeds (not with
             ``generator=``); None uses the global torch RNG.
-        sample_seeds: per-sample random streams (int indices); seeded from ``seed``, else
-            ``generator.initial_seed()``, else ``torch.initial_seed()``.
+        sample_seeds: per-sample random streams (int indices); seeded from ``seed`` (an int in [0, 2**63)),
+            else ``generator.initial_seed()``, else ``torch.initial_seed()``.
         **dataloader_kwargs: any other ``DataLoader`` argument (``collate_fn``, ``sampler``, ...).
 
     Returns:
@@ -143,12 +143,10 @@ def fast_loader(
         validate.flag(shuffle, "shuffle")
         validate.integer(seed, "seed", none_ok=True, example="0")
         validate.flag(sample_seeds, "sample_seeds")
-        if sample_seeds and isinstance(dataset, IterableDataset):
-            raise ValueError(
-                f"sample_seeds=True needs a map-style dataset, whose items have indices; "
-                f"{type(dataset).__name__} is an IterableDataset. Seed inside the stream, or pass "
-                f"sample_seeds=False."
-            )
+        if sample_seeds:
+            _check_sample_seeds(dataset, seed, dataloader_kwargs)
+        else:  # what torch.Generator.manual_seed takes
+            validate.integer(seed, "seed", minimum=-(2**63), maximum=2**64 - 1, none_ok=True, example="0")
         if seed is not None and dataloader_kwargs.get("generator") is not None:
             raise ValueError(
                 "both seed and generator were given; they choose the same thing. Pass one: "
@@ -203,6 +201,25 @@ def fast_loader(
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
 
 
+def _check_sample_seeds(dataset: Any, seed: int | None, kwargs: dict[str, Any]) -> None:
+    """Raise what ``sample_seeds=True`` cannot serve: a stream, a seed out of range, no ``__len__``."""
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"sample_seeds=True needs a map-style dataset, whose items have indices; "
+            f"{type(dataset).__name__} is an IterableDataset. Seed inside the stream, or pass "
+            f"sample_seeds=False."
+        )
+    validate.integer(
+        seed, "seed", minimum=0, maximum=2**63 - 1, none_ok=True, example="0 (with sample_seeds)"
+    )
+    ordered = kwargs.get("sampler") is not None or kwargs.get("batch_sampler") is not None
+    if not ordered and not callable(getattr(dataset, "__len__", None)):
+        raise TypeError(
+            f"sample_seeds=True orders the samples of an epoch, and {type(dataset).__name__} has no "
+            f"__len__. Give the dataset a __len__, or pass your own sampler=."
+        )
+
+
 def _with_sample_seeds(
     dataset: Any, shuffle: bool, seed: int | None, kwargs: dict[str, Any]
 ) -> tuple[SeededSamples, bool]:
@@ -213,9 +230,12 @@ def _with_sample_seeds(
     ``seed + epoch``, so the order, like the augmentation, never depends on the workers' base-seed draws.
     """
     generator = kwargs.get("generator")
-    base = seed if seed is not None else (generator or torch.default_generator).initial_seed()
-    base &= (1 << 63) - 1  # room for seed + epoch in a generator's 64-bit seed
-    seeded = SeededSamples(dataset, base)
+    if seed is None:  # may differ between ranks: distributed() then uses its own seed
+        base = (generator or torch.default_generator).initial_seed() % 2**63  # room for seed + epoch
+        seeded = SeededSamples(dataset, base, explicit=False)
+    else:
+        base = seed
+        seeded = SeededSamples(dataset, seed)
     if kwargs.get("batch_sampler") is not None:
         inner = kwargs["batch_sampler"]
         kwargs["batch_sampler"] = SampleKeys(inner, batched=True, drive=not _has_epoch(inner))

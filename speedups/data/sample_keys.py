@@ -23,7 +23,9 @@ class SampleKeys(Sampler):
     The epoch of a pass is the wrapped sampler's ``epoch`` when it follows one (a ``DistributedSampler``,
     whose ``set_epoch`` the caller drives: ``drive=False``). Otherwise this object counts passes, 0, 1, 2, ...
     (``drive=True``), calls the wrapped sampler's ``set_epoch`` before each pass when it has one, and
-    ``set_epoch(k)`` makes the next pass epoch k. ``len()`` is the wrapped sampler's.
+    ``set_epoch(k)`` makes the next pass epoch k. A pass counts when its first index is drawn, not when
+    ``iter()`` is called: torch's multi-worker iterator makes one it never reads. ``len()`` is the wrapped
+    sampler's.
 
     Args:
         sampler: yields int indices, or lists of them (``batched=True``).
@@ -42,8 +44,9 @@ class SampleKeys(Sampler):
         Raises:
             TypeError, ValueError: ``epoch`` is not an int >= 0.
         """
-        with validate.arguments(f"loader.sampler.set_epoch(epoch={epoch!r})"):
-            validate.integer(epoch, "epoch", minimum=0, example="0")
+        where = "batch_sampler" if self.batched else "sampler"
+        with validate.arguments(f"loader.{where}.set_epoch(epoch={epoch!r})"):
+            validate.integer(epoch, "epoch", minimum=0, maximum=2**63 - 1, example="0")
         self.next_epoch = epoch
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
@@ -51,17 +54,18 @@ class SampleKeys(Sampler):
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # a generator: nothing happens before the first index is drawn
         if self.drive:
             epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
             if callable(getattr(self.sampler, "set_epoch", None)):
                 self.sampler.set_epoch(epoch)
         else:
             epoch = int(self.sampler.epoch)
-        indices = iter(self.sampler)  # now: a sampler that reads its start position eagerly keeps doing so
         if self.batched:
-            return ([(i, epoch) for i in batch] for batch in indices)
-        return zip(indices, itertools.repeat(epoch))
+            for batch in self.sampler:
+                yield [(i, epoch) for i in batch]
+        else:
+            yield from zip(self.sampler, itertools.repeat(epoch))
 
     def __repr__(self) -> str:
         return f"SampleKeys({self.sampler!r}, batched={self.batched}, drive={self.drive})"

@@ -38,25 +38,37 @@ class SeededSamples(Dataset):
     a ``numpy.random.Generator`` or ``torch.Generator`` the dataset keeps itself does not follow, nor does
     randomness in ``collate_fn`` or on a GPU. A batch costs about 10 us per item and 80 us more (CPU).
 
-    Every other attribute is read from the wrapped dataset (``loader.dataset.classes`` still works). The
-    dataset's own ``__getitems__`` is not used: items are loaded one by one, each with its seed.
+    Every other attribute is read from, and written to, the wrapped dataset (``loader.dataset.classes``,
+    ``loader.dataset.train = False``); ``isinstance(loader.dataset, MyDataset)`` is False: use
+    ``loader.dataset.dataset``. The dataset's own ``__getitems__`` is not used: items load one by one.
 
     Args:
         dataset: a map-style dataset with integer indices.
-        seed: the run's seed (an int); the same on every rank.
+        seed: the run's seed, an int in [0, 2**63); the same on every rank.
+        explicit: the seed was given (``seed=``), not read from ``torch.initial_seed()``, which may differ
+            between ranks: ``distributed()`` keeps an explicit seed and replaces another with its own.
     """
 
-    def __init__(self, dataset: Any, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = int(seed)
+    _OWN = frozenset({"dataset", "seed", "explicit"})
+
+    def __init__(self, dataset: Any, seed: int, explicit: bool = True) -> None:
+        object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "seed", int(seed))
+        object.__setattr__(self, "explicit", explicit)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "seed"):  # unpickling: not set yet
+        if name.startswith("__") or name in self._OWN:  # unpickling: not set yet
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # the user's dataset state (``loader.dataset.train = False``) belongs to the user's dataset
+            setattr(self.dataset, name, value)
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """Load a batch of keys; the host RNG states are saved before and restored after the whole batch."""

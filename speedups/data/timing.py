@@ -151,12 +151,15 @@ class _Cycle:
 
 
 def sampler_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
-    """Generators held by the loader's sampler and batch sampler (a custom batch sampler is read once)."""
-    found = []
-    for obj in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and g is not loader.generator:
-            found.append(g)
+    """Generators held by the loader's sampler and batch sampler, and by the samplers they wrap (a batch
+    sampler's ``sampler``, a ``sample_seeds`` wrapper's): a custom batch sampler is read once."""
+    found: list[torch.Generator] = []
+    for obj in (loader.sampler, loader.batch_sampler):
+        for _ in range(4):  # a few wrappers deep
+            g = getattr(obj, "generator", None)
+            if isinstance(g, torch.Generator) and g is not loader.generator and g not in found:
+                found.append(g)
+            obj = getattr(obj, "sampler", None)
     return found
 
 

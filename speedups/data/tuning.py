@@ -20,6 +20,9 @@ from speedups._helpers import validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.rng import preserved_rng
 from speedups._helpers.validate import short
+from speedups.data.loaders import has_per_epoch_state
+from speedups.data.rank_sampler import RankSampler
+from speedups.data.sample_keys import SampleKeys
 from speedups.data.timing import (
     TUNED,
     LoaderTrial,
@@ -186,7 +189,8 @@ def tune_loader(
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
     ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
     persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on);
-    random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``.
+    random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``
+    (whose own order is free of that: any worker count, and workers persist).
     Timing reads its own indices on a copy of the generator and restores the global RNG states (state a
     dataset keeps in itself, such as its own ``numpy.random.Generator``, does advance). Unpicklable code
     under ``spawn``/``forkserver`` keeps 0 workers, and an ``IterableDataset`` its worker count, each with
@@ -251,7 +255,10 @@ def tune_loader(
     # non-persistent ones) draw it every epoch. Switching between the two would shift a shuffle that shares
     # that generator from the second epoch on, so the loader's own choice is kept.
     persistent = bool(loader.persistent_workers and loader.num_workers > 0)
-    if persistent and blocked is None and not iterable:
+    keyed = _keyed_order(loader)
+    if keyed:  # fast_loader(..., sample_seeds=True): the order and the samples never read the generator
+        persistent = persistent or (loader.num_workers == 0 and not has_per_epoch_state(loader.dataset))
+    if persistent and blocked is None and not iterable and not keyed:
         notes.append(
             "0 workers was not timed: the loader's persistent workers draw their seed from the generator "
             "once, 0 workers would draw it every epoch and change the shuffle from the second epoch on"
@@ -260,7 +267,7 @@ def tune_loader(
     def allowed(workers: int) -> bool:
         if blocked is not None and workers > 0:
             return False
-        if persistent and blocked is None and workers == 0:
+        if persistent and blocked is None and workers == 0 and not keyed:
             return False
         return not (iterable and workers != loader.num_workers)
 
@@ -349,6 +356,15 @@ def tune_loader(
         generator=loader.generator,
     )
     return tuned, report
+
+
+def _keyed_order(loader: DataLoader[Any]) -> bool:
+    """Whether the order and the samples depend on (seed, epoch) alone (``fast_loader(...,
+    sample_seeds=True)`` without a sampler of the user's). Then persistent workers and 0 workers yield the
+    same batches, so both may be timed, and workers chosen for a 0-worker loader persist, as in fast_loader.
+    """
+    keys = loader.sampler
+    return isinstance(keys, SampleKeys) and keys.drive and type(keys.sampler) is RankSampler
 
 
 def _copy_target() -> torch.device | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from speedups import distributed, fast_loader, tune_loader
 from speedups._helpers.rng import sample_seed
@@ -149,6 +149,25 @@ def test_a_users_sampler_and_batch_sampler_are_kept() -> None:
         assert torch.equal(got[epoch], torch.stack([_by_hand(data, SEED, epoch, i) for i in range(20)]))
 
 
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_without_automatic_batching_or_with_a_batch_sampler_each_pass_is_one_epoch(
+    workers, persistent
+) -> None:
+    """torch's multi-worker iterator calls iter() on the index sampler twice in its first pass."""
+    data = Augmented(8)
+    kw = {"num_workers": workers} | ({"persistent_workers": persistent} if workers else {})
+    single = fast_loader(data, None, seed=SEED, sample_seeds=True, **kw)
+    batched = fast_loader(
+        data, 1, batch_sampler=[[0, 1, 2], [3, 4, 5, 6, 7]], seed=SEED, sample_seeds=True, **kw
+    )
+    for epoch in range(2):
+        expected = torch.stack([_by_hand(data, SEED, epoch, i) for i in range(8)])
+        assert torch.equal(torch.stack(list(single)), expected)
+        assert torch.equal(torch.cat(list(batched)), expected)
+    assert single.sampler.next_epoch == batched.batch_sampler.next_epoch == 2
+
+
 def test_the_dataset_is_wrapped_but_reads_through() -> None:
     data = Augmented(N)
     loader = fast_loader(data, BATCH, sample_seeds=True, num_workers=0)
@@ -157,6 +176,8 @@ def test_the_dataset_is_wrapped_but_reads_through() -> None:
     )
     again = fast_loader(loader.dataset, BATCH, num_workers=0)  # another loader of the same data, unseeded
     assert again.dataset is data
+    loader.dataset.classes = ["c"]  # per-epoch state set through the loader reaches the user's dataset
+    assert data.classes == ["c"] and loader.dataset.classes == ["c"] and not hasattr(data, "seed")
 
 
 # -------------------------------------------------------------------------------------------- distributed
@@ -200,6 +221,19 @@ def test_a_torchrun_job_of_two_ranks_yields_the_samples_of_one_process(tmp_path:
         assert torch.equal(ranks[0][epoch], expected[0::2]) and torch.equal(ranks[1][epoch], expected[1::2])
 
 
+def test_without_a_seed_every_rank_uses_distributeds_seed() -> None:
+    """fast_loader's seed would come from torch.initial_seed(), which fresh processes do not share."""
+    data = Augmented(10)
+    ranks = []
+    for rank in (0, 1):
+        torch.manual_seed(100 + rank)  # each rank's own global seed, as fresh processes have
+        loader = fast_loader(data, 5, shuffle=True, sample_seeds=True, num_workers=0)
+        ranks.append(distributed(loader, rank=rank, world_size=2))
+    got = [torch.cat(list(r)) for r in ranks]
+    expected = _expected_epoch(data, 0, 0)  # distributed's seed=0, as for any loader
+    assert torch.equal(got[0], expected[0::2]) and torch.equal(got[1], expected[1::2])
+
+
 def test_distributed_keeps_fast_loaders_seeds_and_order() -> None:
     data = Augmented(N)
     plain = fast_loader(data, BATCH, shuffle=True, seed=SEED, sample_seeds=True, num_workers=0)
@@ -239,12 +273,40 @@ def test_tune_loader_keeps_the_augmentation_and_the_epoch_count() -> None:
                                 progress=False)  # fmt: skip
     assert report.trials
     assert torch.equal(torch.cat(list(tuned)), _expected_epoch(data, SEED, 0))
+    # A batch sampler of the user's, with a generator inside: timing reads it once and puts it back.
+    shuffled = BatchSampler(RandomSampler(range(N), generator=torch.Generator().manual_seed(0)), 4, False)
+    mine = fast_loader(data, 1, batch_sampler=shuffled, seed=SEED, sample_seeds=True, num_workers=0)
+    tuned, _ = tune_loader(mine, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
+    got = torch.cat(list(tuned))
+    shuffled.sampler.generator.manual_seed(0)
+    order = [i for batch in shuffled for i in batch]  # the sampler's first pass
+    assert torch.equal(got, torch.stack([_by_hand(data, SEED, 0, i) for i in order]))
     batches = BatchSampler(range(N), batch_size=4, drop_last=False)
     custom = fast_loader(
         data, batch_size=1, batch_sampler=batches, seed=SEED, sample_seeds=True, num_workers=0
     )
     tuned, _ = tune_loader(custom, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
     assert torch.equal(torch.cat(list(tuned)), torch.stack([_by_hand(data, SEED, 0, i) for i in range(N)]))
+
+
+@pytest.mark.slow
+def test_tune_loader_may_drop_persistent_workers_of_a_seeded_order_and_keeps_them_when_adding_workers() -> (
+    None
+):
+    data = Augmented(N)
+    persistent = fast_loader(data, BATCH, shuffle=True, seed=SEED, sample_seeds=True, num_workers=2)
+    tuned, report = tune_loader(persistent, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
+    assert tuned.num_workers == 0 and "not timed" not in report.reason
+    none = fast_loader(data, BATCH, shuffle=True, seed=SEED, sample_seeds=True, num_workers=0)
+    tuned, report = tune_loader(none, max_seconds=1, candidates=[{"num_workers": 2}], progress=False)
+    assert tuned.num_workers == 2 and tuned.persistent_workers and report.chosen["persistent_workers"]
+    for epoch in range(2):  # whatever was chosen, the same batches
+        assert torch.equal(torch.cat(list(tuned)), _expected_epoch(data, SEED, epoch))
+
+
+class _NoLength(Dataset):
+    def __getitem__(self, i: int) -> int:
+        return i
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -265,3 +327,16 @@ def test_bad_input_is_refused_before_anything_is_built() -> None:
         with pytest.raises(error, match=r"set_epoch\(epoch=.*\): epoch="):
             loader.sampler.set_epoch(bad)
     assert loader.sampler.next_epoch == 0  # unchanged
+    for seed in (-1, 2**63):
+        with pytest.raises(ValueError, match=r"seed=.*: must be an int >= 0 and <= 9223372036854775807"):
+            fast_loader(Augmented(), 4, seed=seed, sample_seeds=True, num_workers=0)
+        with pytest.raises(ValueError, match=r"seed=.*: must be an int >= "):
+            distributed(DataLoader(Augmented(), 4), seed=seed, sample_seeds=True, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"seed=18446744073709551616: must be an int"):
+        fast_loader(Augmented(), 4, seed=2**64, num_workers=0)
+    with pytest.raises(ValueError, match=r"epoch=9223372036854775808: must be"):
+        loader.sampler.set_epoch(2**63)
+    with pytest.raises(TypeError, match=r"_NoLength has no __len__. Give the dataset a __len__"):
+        fast_loader(_NoLength(), 2, sample_seeds=True, num_workers=0)
+    with pytest.raises(TypeError, match=r"sample_seeds=np.True_: expected True or False, got numpy.bool"):
+        fast_loader(Augmented(), 4, sample_seeds=np.True_)
