@@ -10,12 +10,14 @@ shuffled data with the same training step, interleaved round-robin in one run (b
 
 Targets on 2 cores: the tuned loader >= 0.9x the best of the grid and >= 1.7x the num_workers=0 loader.
 Per-sample seeds (``fast_loader(..., sample_seeds=True)``) cost at most 1.02x per item: the same loader with
-and without them, loading alone in this process (0 workers), so the ratio is the cost per item.
+and without them, loading alone in this process (0 workers), so the ratio is the cost per item; once with
+augmentation drawn from torch's RNG (as torchvision's transforms draw), once from torch, random and numpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 import zlib
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from benchmarks._timing import RESULTS, compare, ratio_table, save_chart
 from speedups import fast_loader, tune_loader
@@ -35,9 +37,15 @@ SIDE = 32
 
 
 class DecodeAugment(Dataset):
-    """Items are (3, 32, 32) float32 images and an int64 label; each costs about ``ms`` of CPU work."""
+    """Items are (3, 32, 32) float32 images and an int64 label; each costs about ``ms`` of CPU work.
 
-    def __init__(self, n: int, ms: float = 1.0) -> None:
+    ``draws="item"``: the crop and flip come from a generator seeded by the index (every loader yields the
+    same data); ``"torch"``: from torch's global RNG, as torchvision's transforms draw; ``"all"``: also one
+    draw each from ``random`` and numpy's global RNG.
+    """
+
+    def __init__(self, n: int, ms: float = 1.0, draws: str = "item") -> None:
+        self.draws = draws
         rng = np.random.default_rng(0)
         raw = rng.integers(0, 256, size=(3, SIDE + 4, SIDE + 4), dtype=np.uint8)
         self.blob = zlib.compress(raw.tobytes(), 6)
@@ -55,10 +63,18 @@ class DecodeAugment(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         img = np.frombuffer(zlib.decompress(self.blob), dtype=np.uint8).reshape(3, SIDE + 4, SIDE + 4)
-        rng = np.random.default_rng(i)  # deterministic per item: every loader yields the same data
-        y, x = rng.integers(0, 5, size=2)
+        if self.draws == "item":
+            rng = np.random.default_rng(i)  # deterministic per item: every loader yields the same data
+            y, x = rng.integers(0, 5, size=2)
+            flip = rng.random() < 0.5
+        else:
+            y, x = torch.randint(0, 5, (2,)).tolist()
+            flip = bool(torch.rand(()) < 0.5)
+            if self.draws == "all":
+                flip ^= random.random() < 0.5
+                flip ^= bool(np.random.rand() < 0.5)
         img = img[:, y : y + SIDE, x : x + SIDE]
-        if rng.random() < 0.5:
+        if flip:
             img = img[:, :, ::-1]
         flat = img.reshape(-1)
         acc = 0
@@ -132,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         f"\ntune_loader chose num_workers={chosen}: {vs_best:.2f}x the best of the grid ({best_name}, "
         f"target >= 0.9x), {vs_zero:.2f}x num_workers=0 (target >= 1.7x on 2 cores)"
     )
-    _sample_seeds_cost(dataset, batch, rounds=2 if quick else 15)
+    for draws in ("torch", "all"):  # torchvision's transforms draw from torch; some pipelines from all three
+        augmenting = DecodeAugment(items, ms=ms, draws=draws)
+        _sample_seeds_cost(augmenting, batch, rounds=2 if quick else 15)
     if not quick:
         path = save_chart(
             RESULTS / "loading.png",
@@ -143,16 +161,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"chart: {path}")
 
 
-def _sample_seeds_cost(dataset: Dataset, batch: int, rounds: int) -> None:
+def _sample_seeds_cost(dataset: DecodeAugment, batch: int, rounds: int) -> None:
     """Print the per-item cost of sample_seeds=True: the same epochs loaded in this process with and without.
 
     Loading runs in this process (0 workers), so its CPU time (``time.process_time``, which leaves out the
-    time other tenants of a shared machine take) is the whole cost. The two loaders take turns batch by
-    batch (the first of each pair alternating), so a machine that gets slower or faster moves both alike;
-    each round is one epoch of each, and the median of the per-round ratios is printed.
+    time other tenants of a shared machine take) is the whole cost. Both loaders read the same order (a
+    one-rank ``DistributedSampler``, as ``sample_seeds=True`` orders) and take turns batch by batch, the
+    first of each pair alternating; the median over all pairs of the ratio of their times is printed (a
+    burst of someone else's work moves a pair, rarely the median).
     """
-    plain = fast_loader(dataset, batch, shuffle=True, seed=0, num_workers=0)
     seeded = fast_loader(dataset, batch, shuffle=True, seed=0, num_workers=0, sample_seeds=True)
+    order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    plain = fast_loader(dataset, batch, sampler=order, num_workers=0)
 
     def timed_next(it: Iterator[Any]) -> float:
         start = time.process_time()
@@ -161,21 +181,24 @@ def _sample_seeds_cost(dataset: Dataset, batch: int, rounds: int) -> None:
 
     ratios, totals = [], [0.0, 0.0]
     for r in range(rounds + 1):  # the first round warms up
-        its, spent = [iter(plain), iter(seeded)], [0.0, 0.0]
+        order.set_epoch(r)
+        its = [iter(plain), iter(seeded)]
         for b in range(len(plain)):
+            spent = [0.0, 0.0]
             for k in (0, 1) if b % 2 else (1, 0):
-                spent[k] += timed_next(its[k])
-        if r:
-            ratios.append(spent[1] / spent[0])
-            totals = [totals[0] + spent[0], totals[1] + spent[1]]
-    items = len(dataset) * rounds  # type: ignore[arg-type]
+                spent[k] = timed_next(its[k])
+            if r:
+                ratios.append(spent[1] / spent[0])
+                totals = [totals[0] + spent[0], totals[1] + spent[1]]
+    items = len(dataset) * rounds
     seconds = {"fast_loader": totals[0] / rounds, "sample_seeds=True": totals[1] / rounds}
     print()
-    print(ratio_table("CPU seconds per epoch loaded in the main process (0 workers)", seconds, "fast_loader"))
+    title = f"CPU seconds per epoch loaded in the main process (0 workers), draws from {dataset.draws}"
+    print(ratio_table(title, seconds, "fast_loader"))
     extra_us = (totals[1] - totals[0]) / items * 1e6
     print(
-        f"sample_seeds=True: {statistics.median(ratios):.3f}x per item, the median of {rounds} rounds "
-        f"({extra_us:+.1f} us per item; target <= 1.02x)"
+        f"sample_seeds=True ({dataset.draws}): {statistics.median(ratios):.3f}x per item, the median of "
+        f"{len(ratios)} batch pairs ({extra_us:+.1f} us per item overall; target <= 1.02x)"
     )
 
 

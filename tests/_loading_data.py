@@ -131,3 +131,18 @@ class Costly(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         time.sleep(self.seconds)
         return torch.full((4,), float(i))
+
+
+class LateDraws(Dataset):
+    """Item i: (i, a torch draw, then a ``random`` draw only for i >= ``late``); counts its loads."""
+
+    def __init__(self, n: int = 24, late: int = 12) -> None:
+        self.n, self.late, self.loads = n, late, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loads += 1
+        late = random.random() if i >= self.late else -1.0
+        return torch.tensor([float(i), torch.rand(()).item(), late], dtype=torch.float64)

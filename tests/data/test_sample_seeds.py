@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from speedups import distributed, fast_loader, tune_loader
 from speedups._helpers.rng import sample_seed
 from tests._dist import WORKERS, run_torchrun
-from tests._loading_data import Augmented, AugmentedImages, Stream
+from tests._loading_data import Augmented, AugmentedImages, LateDraws, Stream
 
 SEED, N, BATCH = 5, 24, 4
 
@@ -101,6 +101,25 @@ def test_the_processs_own_streams_are_left_where_they_were() -> None:
         pass
     after = torch.rand(3), random.random(), np.random.rand()
     assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_first_drawn_from_late_in_the_epoch_is_seeded_from_then_on(workers: int) -> None:
+    """``random`` and numpy are seeded once seen in use: the first batch is watched; a later batch that
+    moves an unseeded stream is loaded again, seeded. The samples equal the all-seeded reference."""
+    data = LateDraws(24, late=12)
+    loader = fast_loader(data, 4, seed=SEED, sample_seeds=True, num_workers=workers)
+    for epoch in range(2):
+        expected = torch.stack([_by_hand(data, SEED, epoch, i) for i in range(24)])
+        assert torch.equal(torch.cat(list(loader)), expected)
+    if workers == 0:  # the batch of items 12-15 was loaded twice, once: 24 + 4 + 24 loads (+24 by hand)
+        assert data.loads == 24 + 4 + 24 + 48
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        untouched = torch.rand(2), random.random(), np.random.rand()
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        list(loader)
+        after = torch.rand(2), random.random(), np.random.rand()
+        assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
 
 
 def test_the_order_is_distributed_samplers_and_set_epoch_moves_it() -> None:
