@@ -24,8 +24,6 @@ __all__ = [
     "seed_host_rngs",
     "host_rng_states",
     "set_host_rng_states",
-    "HOST_STREAMS",
-    "moved_host_streams",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -105,39 +103,18 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return mix64(mix64(seed & _MASK64) ^ (epoch & _MASK64))
 
 
-HOST_STREAMS = frozenset({"random", "numpy"})
-"""The host generators besides torch's CPU one that :func:`seed_host_rngs` can seed."""
-
-
-def seed_host_rngs(value: int, np: Any = None, streams: frozenset[str] = HOST_STREAMS) -> None:
-    """Seed torch's CPU generator, and ``random`` and numpy's global ``RandomState`` where named in
-    ``streams``, from one 64-bit value.
+def seed_host_rngs(value: int, np: Any = None) -> None:
+    """Seed torch's CPU generator, ``random`` and numpy's global ``RandomState`` from one 64-bit value.
 
     Each gets other bits of it (torch's Mersenne Twister reads the low 32, numpy the high 32, ``random``
     all 64), so the three streams are not the same numbers. ``np`` is the numpy module (None: looked up;
-    absent: not seeded). About 1 us for torch, 4 for ``random``, 1.5 for numpy.
+    absent: not seeded). About 6 us.
     """
     torch.default_generator.manual_seed(value)  # not torch.manual_seed: that also queues every CUDA device
-    if "random" in streams:
-        random.seed(value)
-    if "numpy" in streams:
-        np = numpy_or_none() if np is None else np
-        if np is not None:
-            np.random.seed(value >> 32)
-
-
-def moved_host_streams(states: tuple[Any, ...], streams: frozenset[str]) -> frozenset[str]:
-    """Which of ``streams`` (``"random"``, ``"numpy"``) no longer have the state saved in ``states``
-    (what :func:`host_rng_states` returned): something drew from them since."""
-    moved = set()
-    if "random" in streams and random.getstate() != states[1]:
-        moved.add("random")
-    np = numpy_or_none()
-    if "numpy" in streams and np is not None and states[2] is not None:
-        now, then = np.random.get_state(), states[2]
-        if now[2:] != then[2:] or not np.array_equal(now[1], then[1]):
-            moved.add("numpy")
-    return frozenset(moved)
+    random.seed(value)
+    np = numpy_or_none() if np is None else np
+    if np is not None:
+        np.random.seed(value >> 32)
 
 
 def host_rng_states() -> tuple[Any, ...]:
@@ -150,11 +127,10 @@ def host_rng_states() -> tuple[Any, ...]:
     )
 
 
-def set_host_rng_states(states: tuple[Any, ...], streams: frozenset[str] = HOST_STREAMS) -> None:
-    """Put back what :func:`host_rng_states` returned: torch's CPU state, and the ``streams`` named."""
+def set_host_rng_states(states: tuple[Any, ...]) -> None:
+    """Put back what :func:`host_rng_states` returned."""
     torch_state, random_state, numpy_state = states
     torch.default_generator.set_state(torch_state)
-    if "random" in streams:
-        random.setstate(random_state)
-    if "numpy" in streams and numpy_state is not None:
+    random.setstate(random_state)
+    if numpy_state is not None:
         numpy_or_none().random.set_state(numpy_state)

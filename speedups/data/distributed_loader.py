@@ -429,8 +429,8 @@ def distributed(
     keys_order = isinstance(inner, SampleKeys) and inner.drive and type(inner.sampler) is RankSampler
     if isinstance(inner, SampleKeys):
         inner = inner.sampler
-    explicit = keys_order and isinstance(loader.dataset, SeededSamples) and loader.dataset.explicit
-    if keys_order and not explicit:  # fast_loader(..., sample_seeds=True) without seed=: ours, as for any
+    given = keys_order and isinstance(loader.dataset, SeededSamples) and loader.dataset.samples_seed_given
+    if keys_order and not given:  # fast_loader(..., sample_seeds=True) without seed=: ours, as for any
         was_shuffled = bool(inner.shuffle)
     elif keys_order:  # fast_loader(..., seed=..., sample_seeds=True)'s one-rank order: split, from its seed
         if seed not in (0, inner.seed):
@@ -472,6 +472,8 @@ def distributed(
         sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
     dataset, order = _seeded(loader.dataset, sampler, sample_seeds, seed)
     kwargs = _settings(loader)
+    if isinstance(dataset, SeededSamples) and kwargs.get("generator") is None:  # as fast_loader does: the
+        kwargs["generator"] = torch.Generator().manual_seed(dataset.samples_seed)  # global RNG stays alone
     if loader.batch_size is not None:  # built from batch_size: keep batch_size and drop_last as attributes
         kwargs.update(sampler=order, batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif batch_sampler is not None:  # the user's own BatchSampler: rebuild it around the new sampler
@@ -488,7 +490,7 @@ def _seeded(
     if isinstance(dataset, SeededSamples):
         if sample_seeds is False:
             return dataset.dataset, sampler
-        if not dataset.explicit:  # fast_loader's seed came from torch.initial_seed(): ranks may differ
+        if not dataset.samples_seed_given:  # fast_loader's seed came from torch.initial_seed(): ranks differ
             dataset = SeededSamples(dataset.dataset, seed)
     elif sample_seeds:
         dataset = SeededSamples(dataset, seed)

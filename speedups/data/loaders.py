@@ -232,10 +232,12 @@ def _with_sample_seeds(
     generator = kwargs.get("generator")
     if seed is None:  # may differ between ranks: distributed() then uses its own seed
         base = (generator or torch.default_generator).initial_seed() % 2**63  # room for seed + epoch
-        seeded = SeededSamples(dataset, base, explicit=False)
+        seeded = SeededSamples(dataset, base, samples_seed_given=False)
     else:
         base = seed
         seeded = SeededSamples(dataset, seed)
+    if generator is None:  # the workers' base seed drawn from its own generator, never the global RNG:
+        kwargs["generator"] = torch.Generator().manual_seed(base)  # loading leaves it alone in any layout
     if kwargs.get("batch_sampler") is not None:
         inner = kwargs["batch_sampler"]
         kwargs["batch_sampler"] = SampleKeys(inner, batched=True, drive=not _has_epoch(inner))

@@ -13,12 +13,14 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from speedups._helpers import validate
+from speedups.data.seeded_samples import SAMPLE_KEY
 
 __all__ = ["SampleKeys"]
 
 
 class SampleKeys(Sampler):
-    """Wrap a sampler (or a batch sampler) so each index ``i`` of a pass comes out as the key ``(i, epoch)``.
+    """Wrap a sampler (or a batch sampler) so each index ``i`` of a pass comes out as a key
+    ``(SAMPLE_KEY, i, epoch)`` for :class:`~speedups.data.seeded_samples.SeededSamples`.
 
     The epoch of a pass is the wrapped sampler's ``epoch`` when it follows one (a ``DistributedSampler``,
     whose ``set_epoch`` the caller drives: ``drive=False``). Otherwise this object counts passes, 0, 1, 2, ...
@@ -63,9 +65,9 @@ class SampleKeys(Sampler):
             epoch = int(self.sampler.epoch)
         if self.batched:
             for batch in self.sampler:
-                yield [(i, epoch) for i in batch]
+                yield [(SAMPLE_KEY, i, epoch) for i in batch]
         else:
-            yield from zip(self.sampler, itertools.repeat(epoch))
+            yield from zip(itertools.repeat(SAMPLE_KEY), self.sampler, itertools.repeat(epoch))
 
     def __repr__(self) -> str:
         return f"SampleKeys({self.sampler!r}, batched={self.batched}, drive={self.drive})"

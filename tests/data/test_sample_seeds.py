@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, Subset
 
 from speedups import distributed, fast_loader, tune_loader
 from speedups._helpers.rng import sample_seed
@@ -104,22 +104,31 @@ def test_the_processs_own_streams_are_left_where_they_were() -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_stream_first_drawn_from_late_in_the_epoch_is_seeded_from_then_on(workers: int) -> None:
-    """``random`` and numpy are seeded once seen in use: the first batch is watched; a later batch that
-    moves an unseeded stream is loaded again, seeded. The samples equal the all-seeded reference."""
-    data = LateDraws(24, late=12)
+def test_a_stream_drawn_from_by_some_items_only_is_seeded_for_them(workers: int) -> None:
+    data = LateDraws(24, late=12)  # items 12-23 also draw from `random`
     loader = fast_loader(data, 4, seed=SEED, sample_seeds=True, num_workers=workers)
     for epoch in range(2):
         expected = torch.stack([_by_hand(data, SEED, epoch, i) for i in range(24)])
         assert torch.equal(torch.cat(list(loader)), expected)
-    if workers == 0:  # the batch of items 12-15 was loaded twice, once: 24 + 4 + 24 loads (+24 by hand)
-        assert data.loads == 24 + 4 + 24 + 48
-        torch.manual_seed(0), random.seed(0), np.random.seed(0)
-        untouched = torch.rand(2), random.random(), np.random.rand()
-        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": False}],
+    ids=["0 workers", "2 persistent workers", "2 workers"],
+)
+def test_without_a_seed_loading_draws_nothing_from_the_main_processs_streams(layout) -> None:
+    """torch's DataLoader draws its workers' base seed from the global RNG each pass (once, with persistent
+    workers): under sample_seeds it draws from a generator of its own, so training's draws (dropout) do
+    not depend on the layout."""
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    untouched = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    loader = fast_loader(Augmented(8), 4, shuffle=True, sample_seeds=True, **layout)
+    for _ in range(3):
         list(loader)
-        after = torch.rand(2), random.random(), np.random.rand()
-        assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
+    after = torch.rand(3), random.random(), np.random.rand()
+    assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
 
 
 def test_the_order_is_distributed_samplers_and_set_epoch_moves_it() -> None:
@@ -196,7 +205,25 @@ def test_the_dataset_is_wrapped_but_reads_through() -> None:
     again = fast_loader(loader.dataset, BATCH, num_workers=0)  # another loader of the same data, unseeded
     assert again.dataset is data
     loader.dataset.classes = ["c"]  # per-epoch state set through the loader reaches the user's dataset
-    assert data.classes == ["c"] and loader.dataset.classes == ["c"] and not hasattr(data, "seed")
+    assert data.classes == ["c"] and loader.dataset.classes == ["c"]
+    data.seed = 100  # a dataset's own `seed` attribute is its own
+    loader.dataset.seed = 200
+    assert data.seed == loader.dataset.seed == 200 and loader.dataset.samples_seed != 200
+    # A plain index loads the user's item, unseeded, as the dataset itself would.
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    direct = loader.dataset[5]
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    assert torch.equal(direct, data[5])
+
+
+def test_a_seeded_dataset_wrapped_again_is_seeded_by_the_outer_loader() -> None:
+    first = fast_loader(Augmented(N), BATCH, seed=SEED, sample_seeds=True, num_workers=0)
+    subset = Subset(first.dataset, [0, 1, 2, 3])
+    loader = fast_loader(subset, 2, seed=1, sample_seeds=True, num_workers=0)
+    epochs = _epochs(loader)
+    for epoch in range(2):
+        assert torch.equal(epochs[epoch], torch.stack([_by_hand(subset, 1, epoch, i) for i in range(4)]))
+    assert not torch.equal(epochs[0], epochs[1])
 
 
 # -------------------------------------------------------------------------------------------- distributed
