@@ -42,8 +42,8 @@ class SeededSamples(Dataset):
     on a GPU. A plain index (``loader.dataset[3]``, a ``Subset`` of this dataset) loads the item unseeded,
     as the wrapped dataset would. Cost (CPU): about 10 us per item and 80 us per batch.
 
-    Every attribute but ``dataset``, ``samples_seed`` and ``samples_seed_given`` is read from, and written
-    to, the wrapped dataset (``loader.dataset.classes``, ``loader.dataset.train = False``);
+    Every attribute but ``dataset``, ``samples_seed`` and ``samples_seed_given`` is read from, written to
+    and deleted from the wrapped dataset (``loader.dataset.classes``, ``loader.dataset.train = False``);
     ``isinstance(loader.dataset, MyDataset)`` is False: use ``loader.dataset.dataset``. The dataset's own
     ``__getitems__`` is not used: items load one by one.
 
@@ -74,6 +74,12 @@ class SeededSamples(Dataset):
             object.__setattr__(self, name, value)
         else:  # the user's dataset state (``loader.dataset.train = False``) belongs to the user's dataset
             setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.dataset, name)
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """Load a batch of keys; the host RNG states are saved before and restored after the whole batch."""

@@ -209,6 +209,8 @@ def test_the_dataset_is_wrapped_but_reads_through() -> None:
     data.seed = 100  # a dataset's own `seed` attribute is its own
     loader.dataset.seed = 200
     assert data.seed == loader.dataset.seed == 200 and loader.dataset.samples_seed != 200
+    del loader.dataset.seed
+    assert not hasattr(data, "seed")
     # A plain index loads the user's item, unseeded, as the dataset itself would.
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     direct = loader.dataset[5]
