@@ -7,18 +7,20 @@ variants alike; results are medians over rounds, reported as ratios to a named b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 # Where charts and the suite's latest.md go; tests point it at a temporary folder.
 RESULTS = Path(os.environ.get("SPEEDUPS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def shown(path: Path) -> str:
@@ -47,6 +49,18 @@ def tiny_mlp_run(
         (torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)
     ]
     return steps, rounds, batches, args.quick
+
+
+def installed_peers(peers: Sequence[tuple[str, str, T]]) -> tuple[list[tuple[str, T]], list[str]]:
+    """Split ``(name, module, maker)`` peers into those whose module is installed, as ``(name, maker)``,
+    and the names of the others, as ``"<name> (not installed)"`` (the peers are optional extras)."""
+    found, skipped = [], []
+    for name, module, make in peers:
+        if importlib.util.find_spec(module) is None:
+            skipped.append(f"{name} (not installed)")
+        else:
+            found.append((name, make))
+    return found, skipped
 
 
 def compare(

@@ -11,14 +11,13 @@ are installed, Accelerate's ``accumulate`` and Lightning Fabric's ``no_backward_
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._timing import RESULTS, compare, ratio_table, save_chart, tiny_mlp_run
+from benchmarks._timing import RESULTS, compare, installed_peers, ratio_table, save_chart, tiny_mlp_run
 from speedups.accumulation import UpdateRecord, accumulate
 
 EVERY = 4
@@ -113,15 +112,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "@accumulate(skip_nonfinite=True)": with_accumulate(batches, skip_nonfinite=True),
         "@accumulate + on_update hook": with_accumulate(batches, hook=True),
     }
-    skipped = []
-    for name, module, make in [
-        ("accelerate", "accelerate", with_accelerate),
-        ("fabric", "lightning_fabric", with_fabric),
-    ]:
-        if importlib.util.find_spec(module) is None:
-            skipped.append(f"{name} (not installed)")
-            continue
-        variants[name] = make(batches)
+    found, skipped = installed_peers(
+        [("accelerate", "accelerate", with_accelerate), ("fabric", "lightning_fabric", with_fabric)]
+    )
+    variants.update((name, make(batches)) for name, make in found)
 
     seconds = compare(variants, rounds=rounds, warmup=1)
     title = (

@@ -22,7 +22,6 @@ a ``TorchFunctionMode`` counts ``.item()``, ``.tolist()``, ``float()`` and the l
 from __future__ import annotations
 
 import csv
-import importlib.util
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from benchmarks._timing import RESULTS, compare, ratio_table, save_chart, tiny_mlp_run
+from benchmarks._timing import RESULTS, compare, installed_peers, ratio_table, save_chart, tiny_mlp_run
 from speedups.metrics import MetricLogger
 from speedups.metrics import logger as logger_module
 
@@ -216,15 +215,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "hand-written csv.writer + .item()": hand_written_csv,
         "MetricLogger": with_metric_logger,
     }
-    skipped = []
-    for name, module, make in [
-        ("accelerate (accelerator.log)", "accelerate", with_accelerate),
-        ("fabric (fabric.log_dict)", "lightning_fabric", with_fabric),
-    ]:
-        if importlib.util.find_spec(module) is None:
-            skipped.append(f"{name} (not installed)")
-        else:
-            makers[name] = make
+    found, skipped = installed_peers(
+        [
+            ("accelerate (accelerator.log)", "accelerate", with_accelerate),
+            ("fabric (fabric.log_dict)", "lightning_fabric", with_fabric),
+        ]
+    )
+    makers.update(found)
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
