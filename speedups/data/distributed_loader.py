@@ -27,7 +27,7 @@ from speedups.data.rank_sampler import RankSampler
 from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.sampler_adoption import adopted, check_adoptable
-from speedups.data.seeded_samples import SeededSamples
+from speedups.data.seeded_samples import SeededSamples, refuse_stream
 from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
@@ -399,21 +399,15 @@ def distributed(
         if shuffle is not None:
             validate.flag(shuffle, "shuffle")
         validate.flag(even, "even")
-        validate.integer(
-            seed, "seed", minimum=-(2**63), maximum=2**63 - 1, example="0 (the same on every rank)"
-        )
-        validate.integer(world_size, "world_size", minimum=1, none_ok=True)
-        validate.integer(rank, "rank", minimum=0, none_ok=True)
         if sample_seeds is not None:
             validate.flag(sample_seeds, "sample_seeds")
-        if sample_seeds or (sample_seeds is None and isinstance(loader.dataset, SeededSamples)):
-            validate.integer(seed, "seed", minimum=0, maximum=2**63 - 1, example="0 (with sample_seeds)")
-        if sample_seeds and isinstance(loader.dataset, IterableDataset):
-            raise ValueError(
-                f"sample_seeds=True needs a map-style dataset, whose items have indices; "
-                f"{type(loader.dataset).__name__} is an IterableDataset. Seed inside the stream, or leave "
-                f"sample_seeds out."
-            )
+        seeded = sample_seeds or (sample_seeds is None and isinstance(loader.dataset, SeededSamples))
+        low = 0 if seeded else -(2**63)  # seed + epoch must fit a generator's seed
+        validate.integer(seed, "seed", minimum=low, maximum=2**63 - 1, example="0 (the same on every rank)")
+        validate.integer(world_size, "world_size", minimum=1, none_ok=True)
+        validate.integer(rank, "rank", minimum=0, none_ok=True)
+        if sample_seeds:
+            refuse_stream(loader.dataset, "or leave sample_seeds out")
     if isinstance(loader.dataset, IterableDataset):
         return _stream(loader, said, shuffle, even, _placement(said, rank, world_size))
     batch_sampler = loader.batch_sampler
@@ -426,7 +420,7 @@ def distributed(
             f"SequentialSampler instead, or split indices by rank inside your batch sampler."
         )
     inner: Any = loader.sampler if batch_sampler is None else batch_sampler.sampler
-    keys_order = isinstance(inner, SampleKeys) and inner.drive and type(inner.sampler) is RankSampler
+    keys_order = isinstance(inner, SampleKeys) and inner.is_seeded_order
     if isinstance(inner, SampleKeys):
         inner = inner.sampler
     given = keys_order and isinstance(loader.dataset, SeededSamples) and loader.dataset.samples_seed_given

@@ -22,10 +22,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.validate import short
-from speedups.data.rank_sampler import RankSampler
 from speedups.data.rank_stream import splits_itself
 from speedups.data.sample_keys import SampleKeys
-from speedups.data.seeded_samples import SeededSamples
+from speedups.data.seeded_samples import SeededSamples, refuse_stream
 from speedups.data.workers import dataloader_parameters, seed_worker, start_method, unpicklable_for_workers
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -141,12 +140,12 @@ def fast_loader(
             fix = "'auto' (one per CPU) or num_workers=0 (the main process loads)"
             validate.integer(num_workers, "num_workers", minimum=0, example=fix)
         validate.flag(shuffle, "shuffle")
-        validate.integer(seed, "seed", none_ok=True, example="0")
         validate.flag(sample_seeds, "sample_seeds")
+        # What torch.Generator.manual_seed takes; with sample_seeds, room for seed + epoch.
+        low, high = (0, 2**63 - 1) if sample_seeds else (-(2**63), 2**64 - 1)
+        validate.integer(seed, "seed", minimum=low, maximum=high, none_ok=True, example="0")
         if sample_seeds:
-            _check_sample_seeds(dataset, seed, dataloader_kwargs)
-        else:  # what torch.Generator.manual_seed takes
-            validate.integer(seed, "seed", minimum=-(2**63), maximum=2**64 - 1, none_ok=True, example="0")
+            _check_sample_seeds(dataset, dataloader_kwargs)
         if seed is not None and dataloader_kwargs.get("generator") is not None:
             raise ValueError(
                 "both seed and generator were given; they choose the same thing. Pass one: "
@@ -201,17 +200,9 @@ def fast_loader(
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
 
 
-def _check_sample_seeds(dataset: Any, seed: int | None, kwargs: dict[str, Any]) -> None:
-    """Raise what ``sample_seeds=True`` cannot serve: a stream, a seed out of range, no ``__len__``."""
-    if isinstance(dataset, IterableDataset):
-        raise ValueError(
-            f"sample_seeds=True needs a map-style dataset, whose items have indices; "
-            f"{type(dataset).__name__} is an IterableDataset. Seed inside the stream, or pass "
-            f"sample_seeds=False."
-        )
-    validate.integer(
-        seed, "seed", minimum=0, maximum=2**63 - 1, none_ok=True, example="0 (with sample_seeds)"
-    )
+def _check_sample_seeds(dataset: Any, kwargs: dict[str, Any]) -> None:
+    """Raise what ``sample_seeds=True`` cannot serve: a stream, or no ``__len__`` to order."""
+    refuse_stream(dataset, "or pass sample_seeds=False")
     ordered = kwargs.get("sampler") is not None or kwargs.get("batch_sampler") is not None
     if not ordered and not callable(getattr(dataset, "__len__", None)):
         raise TypeError(
@@ -245,8 +236,7 @@ def _with_sample_seeds(
         inner = kwargs["sampler"]
         kwargs["sampler"] = SampleKeys(inner, drive=not _has_epoch(inner))
     else:
-        order = RankSampler(seeded, num_replicas=1, rank=0, shuffle=shuffle, seed=base, even=True)
-        kwargs["sampler"] = SampleKeys(order)
+        kwargs["sampler"] = SampleKeys.seeded_order(seeded, shuffle=shuffle, seed=base)
         shuffle = False  # the sampler shuffles
     return seeded, shuffle
 

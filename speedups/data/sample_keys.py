@@ -13,6 +13,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from speedups._helpers import validate
+from speedups.data.rank_sampler import RankSampler
 from speedups.data.seeded_samples import SAMPLE_KEY
 
 __all__ = ["SampleKeys"]
@@ -39,6 +40,17 @@ class SampleKeys(Sampler):
         self.sampler, self.batched, self.drive = sampler, batched, drive
         self.next_epoch = 0
         """The epoch of the next pass (``drive=True``)."""
+
+    @classmethod
+    def seeded_order(cls, dataset: Any, *, shuffle: bool, seed: int) -> SampleKeys:
+        """``fast_loader(..., sample_seeds=True)``'s own order: a one-rank ``DistributedSampler``'s (a
+        permutation of ``seed + epoch`` when shuffled), its passes counted here."""
+        return cls(RankSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, even=True))
+
+    @property
+    def is_seeded_order(self) -> bool:
+        """Whether this is :meth:`seeded_order`'s: the order and the samples depend on (seed, epoch) alone."""
+        return self.drive and type(self.sampler) is RankSampler
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch`` (and set it on the wrapped sampler, if it has ``set_epoch``).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from speedups._helpers.rng import (
     epoch_seed,
@@ -23,7 +23,7 @@ from speedups._helpers.rng import (
     set_host_rng_states,
 )
 
-__all__ = ["SAMPLE_KEY", "SeededSamples"]
+__all__ = ["SAMPLE_KEY", "SeededSamples", "refuse_stream"]
 
 SAMPLE_KEY = "speedups.sample_key"
 """The first element of a key ``(SAMPLE_KEY, index, epoch)``: it tells a key from an index of the user's."""
@@ -118,3 +118,12 @@ class SeededSamples(Dataset):
 
 def _is_key(key: Any) -> bool:
     return type(key) is tuple and len(key) == 3 and key[0] == SAMPLE_KEY
+
+
+def refuse_stream(dataset: Any, fix: str) -> None:
+    """Raise ``ValueError`` for an ``IterableDataset``: per-sample seeds need items with indices."""
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"sample_seeds=True needs a map-style dataset, whose items have indices; "
+            f"{type(dataset).__name__} is an IterableDataset. Seed inside the stream, {fix}."
+        )

@@ -21,7 +21,6 @@ from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.rng import preserved_rng
 from speedups._helpers.validate import short
 from speedups.data.loaders import has_per_epoch_state
-from speedups.data.rank_sampler import RankSampler
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.timing import (
     TUNED,
@@ -363,8 +362,7 @@ def _keyed_order(loader: DataLoader[Any]) -> bool:
     sample_seeds=True)`` without a sampler of the user's). Then persistent workers and 0 workers yield the
     same batches, so both may be timed, and workers chosen for a 0-worker loader persist, as in fast_loader.
     """
-    keys = loader.sampler
-    return isinstance(keys, SampleKeys) and keys.drive and type(keys.sampler) is RankSampler
+    return isinstance(loader.sampler, SampleKeys) and loader.sampler.is_seeded_order
 
 
 def _copy_target() -> torch.device | None:
