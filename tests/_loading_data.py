@@ -134,15 +134,14 @@ class Costly(Dataset):
 
 
 class LateDraws(Dataset):
-    """Item i: (i, a torch draw, then a ``random`` draw only for i >= ``late``); counts its loads."""
+    """Item i: (i, a torch draw, then a ``random`` draw only for i >= ``late``)."""
 
     def __init__(self, n: int = 24, late: int = 12) -> None:
-        self.n, self.late, self.loads = n, late, 0
+        self.n, self.late = n, late
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        self.loads += 1
         late = random.random() if i >= self.late else -1.0
         return torch.tensor([float(i), torch.rand(()).item(), late], dtype=torch.float64)

@@ -21,6 +21,7 @@ __all__ = [
     "epoch_seed",
     "mix64",
     "sample_seed",
+    "seed_in_epoch",
     "seed_host_rngs",
     "host_rng_states",
     "set_host_rng_states",
@@ -95,7 +96,12 @@ def mix64(z: int) -> int:
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The 64-bit seed of sample ``index`` in ``epoch`` of a run seeded with ``seed`` (a pure function)."""
-    return mix64(epoch_seed(seed, epoch) ^ (index & _MASK64))
+    return seed_in_epoch(epoch_seed(seed, epoch), index)
+
+
+def seed_in_epoch(shared: int, index: int) -> int:
+    """:func:`sample_seed` from its epoch's :func:`epoch_seed` (``shared``): the per-item part."""
+    return mix64(shared ^ (index & _MASK64))
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

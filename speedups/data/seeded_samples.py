@@ -17,9 +17,9 @@ from torch.utils.data import Dataset, IterableDataset
 from speedups._helpers.rng import (
     epoch_seed,
     host_rng_states,
-    mix64,
     numpy_or_none,
     seed_host_rngs,
+    seed_in_epoch,
     set_host_rng_states,
 )
 
@@ -101,7 +101,7 @@ class SeededSamples(Dataset):
                         f"sample_seeds=True: the sampler yielded the index {index!r} ({kind}); per-sample "
                         f"seeds need integer indices. Use a sampler of ints, or sample_seeds=False."
                     ) from None
-                seed_host_rngs(mix64(shared ^ (index & 0xFFFFFFFFFFFFFFFF)), np)  # = sample_seed(...)
+                seed_host_rngs(seed_in_epoch(shared, index), np)
                 out.append(self.dataset[index])
             return out
         finally:
