@@ -360,6 +360,24 @@ class LossTracker:
         self._host = totals
         self._updates = updates
 
+    def _merge_rank_states(self, states: list[Any], change: Any) -> dict[str, Any]:
+        """This rank's state from what every rank saved on another number of processes (``load_checkpoint``).
+
+        ``all_ranks=True`` saved the job's totals (rank 0's state is all of it); a rank-local tracker
+        continues from the totals of every saved rank, the job's running mean so far, on each rank.
+        """
+        for state in states:
+            self._check_state(state)
+        first = states[0]
+        if first.get("all_ranks") or len(states) == 1:
+            return dict(first)
+        return {
+            **first,
+            "sum": math.fsum(s["sum"] for s in states),
+            "count": math.fsum(s["count"] for s in states),
+            "nonfinite": math.fsum(s["nonfinite"] for s in states),
+        }
+
     def _check_state(self, state: Any) -> tuple[list[float], int, list[float]]:
         """Check ``state`` as :meth:`load_state_dict` does, changing nothing; return its converted values."""
         call = "LossTracker.load_state_dict(state)"

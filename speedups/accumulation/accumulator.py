@@ -29,6 +29,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from speedups._helpers.layout import LayoutChange
 from speedups._helpers.step_context import apply_update, current_step, params_of
 from speedups._helpers.validate import short
 from speedups.accumulation.checks import (
@@ -622,6 +623,52 @@ class Accumulator:
         self.sentinel = None
         self.sync.restart()
 
+    def merge_states(self, states: list[Any], change: LayoutChange) -> dict[str, Any]:
+        """This rank's state from what every rank saved on another layout (see ``layout_change``).
+
+        The open window's gradients are what the new layout's ranks would hold after ``change.pending``
+        micro-steps of it: summed over the saved ranks and shared alike by the new ones, in the units this
+        step accumulates in (mean losses: ``1/every`` each, averaged over the ranks by the sync; item
+        counts: the items' summed gradient, with a weight reference of 1). The item count goes to rank 0.
+
+        Raises:
+            ValueError: a saved state is not a step's state, or was made for another model.
+        """
+        for state in states:
+            every = state.get("every") if isinstance(state, dict) else None
+            check_state(state, every if isinstance(every, int) else self.every, self.trainable(),
+                        tuple(mode.value for mode in _Mode))  # fmt: skip
+        first, rank, world = states[0], change.rank, change.world
+        pending = first["pending"] if change.pending is None else change.pending
+        items = first["mode"] == _ITEMS.value
+        ref = first.get("ref_n", 1.0) if world == 1 and change.saved_world == 1 else 1.0
+        grads = None
+        if pending:
+            if items:  # every sample's gradient summed: sum(ref_r * g_r), then shared by the new ranks
+                weights = [float(s.get("ref_n", 1.0)) / (world * float(ref)) for s in states]
+            else:  # mean losses: the ranks' mean, which each new rank holds (the sync averages it)
+                weights = [1.0 / change.saved_world] * len(states)
+            grads = [
+                _weighted_sum([s["grads"][i] for s in states], weights) for i in range(len(first["grads"]))
+            ]
+        host = sum(float(s["total_host"]) for s in states) if rank == 0 else 0.0
+        devices = [s["total_device"] for s in states if s["total_device"] is not None]
+        device = None
+        if devices:
+            device = functools.reduce(torch.add, devices) if rank == 0 else torch.zeros_like(devices[0])
+        return {
+            **first,
+            "every": self.every,
+            "step": first["step"] if change.micro_steps is None else change.micro_steps,
+            "pending": pending,
+            "total_host": host,
+            "total_device": device,
+            "grads": grads,
+            "losses": [x for s in states for x in s.get("losses", [])] if rank == 0 else [],
+            "ref_n": ref,
+            "log": _merged_log([s.get("log", []) for s in states], pending, items) if pending else [],
+        }
+
     def _handed_over(self) -> dict[str, Any] | None:
         """The scaler state a newly arrived GradScaler must take: the stand-in's, or one loaded earlier."""
         if self.stand_in:
@@ -681,6 +728,31 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     except ValueError:
         return True
     return True
+
+
+def _weighted_sum(grads: list[Any], weights: list[float]) -> torch.Tensor | None:
+    """``sum(w * g)`` over the ranks' gradients of one parameter, in rank order; None if no rank had one."""
+    total = None
+    for g, w in zip(grads, weights, strict=True):
+        if g is not None:
+            part = g * w if w != 1.0 else g.clone()
+            total = part if total is None else total + part
+    return total
+
+
+def _merged_log(logs: list[list[Any]], pending: int, items: bool) -> list[tuple[Any, Any]]:
+    """The window log (what ``UpdateRecord.loss`` averages) of ``pending`` calls merged from every rank's:
+    the job's mean so far, as ``pending`` calls (mean losses), or its totals in the first (item counts)."""
+    parts = [part for log in logs for part in log]
+    if not parts or any(len(log) != len(logs[0]) for log in logs):
+        return []  # no hook saw this window: records of it carry no loss, as after any late registration
+    total = functools.reduce(torch.add, [torch.as_tensor(x) for x, _ in parts])
+    if not items:
+        mean = total / len(parts)
+        return [(mean, None)] * pending
+    count = functools.reduce(lambda a, b: a + b, [n for _, n in parts])
+    zero = (torch.zeros_like(total), count * 0)
+    return [(total, count)] + [zero] * (pending - 1)
 
 
 def _length(batches: Any) -> int | None:

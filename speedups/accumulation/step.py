@@ -25,6 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class StepOwner(Protocol):
     """What a :class:`Step` shows and forwards: the accumulator behind it."""
 
+    every: int
     step: int
     is_boundary: bool
     num_updates: int
@@ -44,6 +45,7 @@ class StepOwner(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def check_state(self, state: Any) -> None: ...
+    def merge_states(self, states: list[Any], change: Any) -> dict[str, Any]: ...
 
 
 def _shown(name: str, doc: str) -> Any:
@@ -57,6 +59,7 @@ class _StepAttributes:
     def _acc(self) -> StepOwner:
         raise NotImplementedError
 
+    every = _shown("every", "Micro-steps (calls) per optimizer step: the N of ``accumulate(N, ...)``.")
     step = _shown("step", "Micro-steps (calls) so far.")
     is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
     num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
@@ -138,6 +141,10 @@ class _StepAttributes:
     def _check_state(self, state: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
         self._acc().check_state(state)
+
+    def _merge_rank_states(self, states: list[Any], change: Any) -> dict[str, Any]:
+        """This rank's state from what every rank saved on another layout (``load_checkpoint`` calls it)."""
+        return self._acc().merge_states(states, change)
 
 
 class _BoundStep(_StepAttributes, wrapt.BoundFunctionWrapper):

@@ -1,20 +1,21 @@
 """The checkpoint file: its layout, the atomic write, and a read that says what it found.
 
-Layout (``speedups.checkpoint/2``), a plain dict that ``torch.load(path, weights_only=True)`` reads without
+Layout (``speedups.checkpoint/3``), a plain dict that ``torch.load(path, weights_only=True)`` reads without
 ``speedups`` installed::
 
     {
-        "model": {...},            # each object's state_dict(), under the name it was saved with; a model's
-        "optimizer": {...},        # keys carry no wrapper prefix (DDP ``module.``, compile ``_orig_mod.``)
+        "model": {...},            # each object's state_dict() (rank 0's), under the name it was saved with;
+        "optimizer": {...},        # a model's keys carry no wrapper prefix (DDP ``module.``, ``_orig_mod.``)
         "epoch": 3,                # plain values, as given
-        "_speedups": {"format": "speedups.checkpoint/2", "world_size": 1,
+        "_speedups": {"format": "speedups.checkpoint/3", "world_size": 2,
                       "objects": {"model": "Linear", "optimizer": "SGD"},  # name -> class name
-                      "rng": [...]},  # per rank: torch, random, numpy (as a tensor), cuda/mps states
-    }
+                      "rng": [...],  # per rank: torch, random, numpy (as a tensor), cuda/mps states
+                      "per_rank": {"step": [None, {...}]}},  # objects whose state differs per rank: the
+    }                                                         # state of rank r at index r (None: the entry)
 
-Files of the first layout (``{"format": "speedups.checkpoint/1", "objects": ..., "plain": ..., "rng": ...}``)
-are still read. Any other dict is *foreign* (a plain ``torch.save`` dict of some training script): its
-entries are loaded by name, no RNG state is restored.
+Files of the layouts before (``speedups.checkpoint/2``: no ``per_rank``; ``/1``: ``{"format", "objects",
+"plain", "rng"}``) are still read. Any other dict is *foreign* (a plain ``torch.save`` dict of some training
+script): its entries are loaded by name, no RNG state is restored.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["FORMAT", "META", "Contents", "checked_rng", "read", "rng_from_file", "rng_to_file", "write"]
 
-FORMAT = "speedups.checkpoint/2"
+FORMAT = "speedups.checkpoint/3"
+_BEFORE_PER_RANK = "speedups.checkpoint/2"  # read: no per-rank states (rank 0's only)
 _LEGACY = "speedups.checkpoint/1"
 META = "_speedups"  # the entry holding the format, the objects' classes and the RNG states
 
@@ -48,6 +50,7 @@ class Contents:
     rng: list[dict[str, Any]] | None = None  # per rank; None for foreign files
     world_size: int | None = None
     rng_ranks: list[int] | None = None  # the ranks whose states ``rng`` holds, in order; None: every rank
+    per_rank: dict[str, list[Any]] | None = None  # per-rank objects' states by rank (index 0: the entry)
 
     @property
     def foreign(self) -> bool:
@@ -132,7 +135,7 @@ def read(path: Path, said: str) -> Contents:
             f"dicts: save_checkpoint(path, model=model, ...) or torch.save({{'model': model.state_dict()}})."
         )
     meta = payload.get(META)
-    if isinstance(meta, dict) and meta.get("format") == FORMAT:
+    if isinstance(meta, dict) and meta.get("format") in (FORMAT, _BEFORE_PER_RANK):
         objects, states = meta.get("objects"), meta.get("rng")
         if not (isinstance(objects, dict) and all(isinstance(v, str) for v in objects.values())) or not (
             states is None or (isinstance(states, list) and all(isinstance(r, dict) for r in states))
@@ -152,15 +155,24 @@ def read(path: Path, said: str) -> Contents:
                 f"{said}: its {META!r} entry is damaged ('rng_ranks' is not a list of ranks, one per saved "
                 f"RNG state). Resume from an earlier checkpoint."
             )
-        return Contents(entries, dict(objects), states, meta.get("world_size"), ranks)
+        per_rank = meta.get("per_rank")
+        if per_rank is not None and not (
+            isinstance(per_rank, dict)
+            and all(isinstance(v, list) and k in entries for k, v in per_rank.items())
+        ):
+            raise SpeedupsError(
+                f"{said}: its {META!r} entry is damaged ('per_rank' is not a dict of saved names to lists of "
+                f"per-rank states). Resume from an earlier checkpoint."
+            )
+        return Contents(entries, dict(objects), states, meta.get("world_size"), ranks, per_rank)
     if payload.get("format") == _LEGACY and {"objects", "plain", "rng"} <= set(payload):
         objects = {name: "" for name in payload["objects"]}  # class names were not recorded then
         entries = {**payload["plain"], **payload["objects"]}
         return Contents(entries, objects, payload["rng"], payload.get("world_size"))
     if isinstance(meta, dict):
         raise SpeedupsError(
-            f"{said}: written in checkpoint format {meta.get('format')!r}; this speedups reads {FORMAT!r} "
-            f"and {_LEGACY!r}. Upgrade speedups to load it."
+            f"{said}: written in checkpoint format {meta.get('format')!r}; this speedups reads {FORMAT!r}, "
+            f"{_BEFORE_PER_RANK!r} and {_LEGACY!r}. Upgrade speedups to load it."
         )
     return Contents(dict(payload), None)
 

@@ -20,7 +20,8 @@ from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import file_format
 from speedups.checkpoint.checks import check_entry, is_checked
 from speedups.checkpoint.entries import check_path, fsdp_type, refuse_positional, saved_object, split_state
-from speedups.checkpoint.rng_states import rng_of_this_rank
+from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
+from speedups.checkpoint.rank_states import rng_of_this_rank, state_of_this_rank
 from speedups.checkpoint.sharded import load_sharded
 from speedups.errors import SpeedupsError
 
@@ -108,8 +109,12 @@ def load_checkpoint(
     if missing:
         raise SpeedupsError(_missing(said, missing, entry_of, contents))
     classes = contents.objects or {}
+    saved = {name: state_of_this_rank(entry_of[name], entries[entry_of[name]], contents.per_rank)
+             for name in objects}  # fmt: skip
+    if changes_layout(contents, objects, entry_of):  # another number of processes, or of micro-steps
+        saved = states_for_this_layout(said, contents, objects, entry_of)
     ready = {
-        name: check_entry(said, name, entry_of[name], saved_object(obj), entries[entry_of[name]],
+        name: check_entry(said, name, entry_of[name], saved_object(obj), saved[name],
                           classes.get(entry_of[name]), strict=strict)
         for name, obj in objects.items()
     }  # fmt: skip

@@ -28,7 +28,7 @@ from speedups.checkpoint.entries import (
     saved_object,
     split_state,
 )
-from speedups.checkpoint.rng_states import gather_rng
+from speedups.checkpoint.rank_states import gather_rank_states, is_per_rank
 from speedups.checkpoint.sharded import save_sharded
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -101,14 +101,21 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
     targets = {name: saved_object(obj) for name, obj in objects.items()}
     payload: dict[str, Any] = {name: target.state_dict() for name, target in targets.items()}
     payload.update(plain)
-    payload[file_format.META] = {
+    meta: dict[str, Any] = {
         "format": file_format.FORMAT,
         "world_size": env.world_size(),
         "objects": {name: type(target).__name__ for name, target in targets.items()},
-        "rng": gather_rng() if together else [file_format.rng_to_file(get_rng_states())],
     }
-    if not together:
-        payload[file_format.META]["rng_ranks"] = [0]
+    if together:  # every rank's RNG states and per-rank objects' states, to rank 0 (a collective)
+        own = {name: payload[name] for name, target in targets.items() if is_per_rank(target)}
+        gathered = gather_rank_states(own)
+        if gathered is not None:
+            meta["rng"], per_rank = gathered
+            if per_rank:
+                meta["per_rank"] = per_rank
+    else:
+        meta["rng"], meta["rng_ranks"] = [file_format.rng_to_file(get_rng_states())], [0]
+    payload[file_format.META] = meta
     error = ""
     if env.rank() == 0:
         try:

@@ -1,25 +1,57 @@
-"""FSDP2 checkpoints: a directory of shards written and read by ``torch.distributed.checkpoint``."""
+"""FSDP2 checkpoints: a directory of shards written and read by ``torch.distributed.checkpoint``.
+
+The directory is complete or absent: ``torch.distributed.checkpoint`` writes into ``.<name>.partial`` next to
+it, and rank 0 renames that over ``path`` once every rank has written (a crash mid-save leaves the previous
+checkpoint, and a ``.partial`` directory the next save removes). Models and their optimizers are sharded by
+``torch.distributed.checkpoint`` (which also reshards them for another world size); the per-rank objects
+(loader, tracker, ``@accumulate`` step) and every rank's RNG states go in as one opaque blob of all ranks'
+states, so each rank gets its own back.
+"""
 
 from __future__ import annotations
 
 import io
+import os
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from speedups._helpers import env
 from speedups.checkpoint.entries import fsdp_type
-from speedups.checkpoint.rng_states import gather_rng, restore_rng
+from speedups.checkpoint.file_format import Contents
+from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
+from speedups.checkpoint.rank_states import gather_rank_states, is_per_rank, restore_rng, state_of_this_rank
 from speedups.errors import SpeedupsError
 
 __all__ = ["load_sharded", "plain_values_of_directory", "save_sharded"]
 
 
 def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
-    """State dicts in torch.distributed.checkpoint's sharded form for FSDP2 models and their optimizers."""
+    """State dicts for ``torch.distributed.checkpoint``: FSDP2 models and their optimizers (sharded) and the
+    other objects that are the same on every rank (LR schedulers); per-rank objects go in a blob instead."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    models, owners = _models_and_owners(objects)
+    # The other objects first: one that refuses (an @accumulate step mid-window) raises before torch's
+    # get_optimizer_state_dict initialises an empty optimizer state with a step of zero gradients.
+    out = {
+        name: o.state_dict() for name, o in objects.items()
+        if o not in models and name not in owners and not is_per_rank(o)
+    }  # fmt: skip
+    for name, obj in objects.items():
+        if obj in models:
+            out[name] = get_model_state_dict(obj)
+        elif name in owners:
+            out[name] = get_optimizer_state_dict(owners[name], obj)
+    return out
+
+
+def _models_and_owners(objects: dict[str, Any]) -> tuple[list[nn.Module], dict[str, nn.Module]]:
+    """The FSDP2 models among ``objects``, and the model each optimizer among them belongs to."""
     fsdp = fsdp_type()
     models: list[nn.Module] = [o for o in objects.values() if fsdp is not None and isinstance(o, fsdp)]  # type: ignore[misc]
     owners: dict[str, nn.Module] = {}
@@ -27,15 +59,12 @@ def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
         owner = _owner(obj, models) if isinstance(obj, torch.optim.Optimizer) else None
         if owner is not None:
             owners[name] = owner
-    # The other objects first: one that refuses (an @accumulate step mid-window) raises before torch's
-    # get_optimizer_state_dict initialises an empty optimizer state with a step of zero gradients.
-    out = {name: o.state_dict() for name, o in objects.items() if o not in models and name not in owners}
-    for name, obj in objects.items():
-        if obj in models:
-            out[name] = get_model_state_dict(obj)
-        elif name in owners:
-            out[name] = get_optimizer_state_dict(owners[name], obj)
-    return out
+    return models, owners
+
+
+def _per_rank(objects: dict[str, Any]) -> dict[str, Any]:
+    models, owners = _models_and_owners(objects)
+    return {n: o for n, o in objects.items() if o not in models and n not in owners and is_per_rank(o)}
 
 
 def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module | None:
@@ -47,14 +76,43 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Modu
 
 
 def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> None:
-    """Write an FSDP2 checkpoint directory with ``torch.distributed.checkpoint`` (collective)."""
+    """Write an FSDP2 checkpoint directory with ``torch.distributed.checkpoint`` (collective); complete or
+    absent (see the module's docstring)."""
     import torch.distributed.checkpoint as dcp
 
+    partial = path.parent / f".{path.name}.partial"
+    own = {name: obj.state_dict() for name, obj in _per_rank(objects).items()}  # a refusal raises here
+    if env.rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a save cut short before: never renamed
+    gathered = gather_rank_states(own, to_all=True)  # the same on every rank; also waits for the removal
+    assert gathered is not None
+    rng, per_rank = gathered
     state = _dcp_state(objects)
-    # Opaque blobs (the same on every rank after the gather), so DCP does not merge per-rank RNG tensors.
+    # Opaque blobs (the same on every rank after the gather), so DCP does not merge per-rank values.
     state["_plain"] = _blob(plain)
-    state["_rng"] = _blob(gather_rng())
-    dcp.save(state, checkpoint_id=str(path))  # collective; every rank writes its own shards
+    state["_rng"] = _blob(rng)
+    state["_ranks"] = _blob({"world_size": len(rng), "rank0": own, "per_rank": per_rank})
+    dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
+    error = ""
+    if env.rank() == 0:
+        try:
+            old = path.parent / f".{path.name}.old"
+            if path.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(partial, path)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as err:
+            error = f"{type(err).__name__}: {err}"
+    box = [error]
+    with env.on_comm_device():
+        torch.distributed.broadcast_object_list(box, src=0)  # the directory is in place (or not) for all
+    if box[0]:
+        raise SpeedupsError(
+            f"save_checkpoint({str(path)!r}): rank 0 could not move the written checkpoint into place "
+            f"({box[0]}). Check that the directory is writable."
+        )
 
 
 def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
@@ -67,26 +125,46 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         raise FileNotFoundError(f"{said}: no FSDP2 checkpoint directory there.")
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     saved = {key.split(".")[0] for key in metadata.state_dict_metadata}
-    missing = sorted(set(objects) - saved)
-    if missing:
-        raise SpeedupsError(
-            f"{said}: {missing} were not saved; it holds {sorted(saved - {'_plain', '_rng'})}."
-        )
+    blobbed = "_ranks" in saved  # per-rank objects in one blob (older directories: DCP entries)
     state = _dcp_state(objects)
+    if not blobbed:
+        state.update({name: obj.state_dict() for name, obj in _per_rank(objects).items()})
     state["_plain"] = b""
     state["_rng"] = b""
+    if blobbed:
+        state["_ranks"] = b""
+    missing = sorted(set(state) - saved)
+    if missing:
+        raise SpeedupsError(
+            f"{said}: {missing} were not saved; it holds {sorted(saved - {'_plain', '_rng', '_ranks'})}."
+        )
     dcp.load(state, checkpoint_id=str(path))  # fills ``state`` in place (sharded tensors read per rank)
-    fsdp = fsdp_type()
-    models: list[nn.Module] = [o for o in objects.values() if fsdp is not None and isinstance(o, fsdp)]  # type: ignore[misc]
+    if blobbed:
+        state.update(_this_rank(said, _unblob(state["_ranks"]), _per_rank(objects)))
+    models, owners = _models_and_owners(objects)
     for name, obj in objects.items():
         if obj in models:
             set_model_state_dict(obj, state[name])
-        elif isinstance(obj, torch.optim.Optimizer) and (owner := _owner(obj, models)) is not None:
-            set_optimizer_state_dict(owner, obj, state[name])
+        elif name in owners:
+            set_optimizer_state_dict(owners[name], obj, state[name])
         else:
             obj.load_state_dict(state[name])
     restore_rng(_unblob(state["_rng"]))
     return dict(_unblob(state["_plain"]))
+
+
+def _this_rank(said: str, ranks: Mapping[str, Any], objects: dict[str, Any]) -> dict[str, Any]:
+    """This rank's states of the per-rank ``objects`` from the blob of every rank's (merged on another
+    world size, as a checkpoint file's are)."""
+    own = ranks["rank0"]
+    missing = sorted(set(objects) - set(own))
+    if missing:
+        raise SpeedupsError(f"{said}: {missing} were not saved; it holds {sorted(own)}.")
+    contents = Contents(dict(own), {n: "" for n in own}, None, ranks["world_size"], None, ranks["per_rank"])
+    names = {name: name for name in objects}
+    if changes_layout(contents, objects, names):
+        return states_for_this_layout(said, contents, objects, names)
+    return {name: state_of_this_rank(name, own[name], ranks["per_rank"]) for name in objects}
 
 
 def plain_values_of_directory(path: Path) -> dict[str, Any]:

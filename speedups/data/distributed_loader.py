@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 
 from speedups._helpers import env, validate
+from speedups._helpers.layout import LayoutChange
 from speedups.data.rank_sampler import RankSampler
 from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sample_keys import SampleKeys
@@ -138,26 +139,57 @@ class DistributedLoader(DataLoader):
         Keys: ``epoch`` and ``batches`` (the position), ``world_size`` and ``rank``, ``seed_state`` (the RNG
         state the running pass drew its workers' base seed from, so a resumed pass draws the same seed
         without touching the global RNG; None at an epoch boundary, where the next pass draws afresh as an
-        uninterrupted run does) and ``generator`` (the state of the loader's ``generator``, or None).
+        uninterrupted run does), ``generator`` (the state of the loader's ``generator``, or None), and the
+        layout a resume on another number of processes needs: ``batch_size``, ``rank_samples`` (this rank's
+        samples per epoch, padding included), ``drop_last`` and ``samples`` (the dataset's length).
         """
         epoch, batches = (
             self._current if self._current is not None else (self._next_epoch, self._resume_batches)
         )
         keep_seed = self._current is not None or self._workers_started or self._replay_seed is not None
         seed = self._replay_seed if self._replay_seed is not None else self._seed_state
+        sampler = self.distributed_sampler
         return {
             "epoch": epoch,
             "batches": batches,
-            "world_size": self.distributed_sampler.num_replicas,
-            "rank": self.distributed_sampler.rank,
+            "world_size": sampler.num_replicas,
+            "rank": sampler.rank,
             "seed_state": seed.clone() if keep_seed and seed is not None else None,
             "generator": None if self.generator is None else self.generator.get_state(),
+            "batch_size": self._batch_size(),
+            "rank_samples": int(sampler.num_samples),
+            "drop_last": self._drop_last(),
+            "samples": len(self.dataset),  # type: ignore[arg-type]
+        }
+
+    def _drop_last(self) -> bool:
+        return self.batch_sampler is not None and bool(getattr(self.batch_sampler, "drop_last", False))
+
+    def _merge_rank_states(self, states: list[Any], change: LayoutChange) -> dict[str, Any]:
+        """This rank's state from what every rank saved on another layout: the same epoch, continued at
+        ``change.batches`` (the same sample), with this loader's rank and layout (``load_checkpoint``)."""
+        for state in states:
+            self._check_state({**state, "batches": 0, "world_size": self.distributed_sampler.num_replicas})
+        same = change.saved_world == change.world
+        own = states[change.rank] if same and change.rank < len(states) else states[0]
+        seeds = [state.get("seed_state") for state in states]
+        seed = own.get("seed_state")
+        if not same and not all(_same_generator_state(seed, other) for other in seeds):
+            seed = None  # the ranks' workers drew from their own streams: the new layout draws afresh
+        here = self.state_dict()
+        return {
+            **here,
+            "epoch": own["epoch"],
+            "batches": own["batches"] if change.batches is None else change.batches,
+            "seed_state": seed,
+            "generator": own.get("generator"),
         }
 
     def _check_state(self, state: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
         said = "DistributedLoader.load_state_dict(state)"
-        required, optional = {"epoch", "batches", "world_size", "rank"}, {"seed_state", "generator"}
+        required = {"epoch", "batches", "world_size", "rank"}
+        optional = {"seed_state", "generator", "batch_size", "rank_samples", "drop_last", "samples"}
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -169,7 +201,7 @@ class DistributedLoader(DataLoader):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{said}: state[{key!r}]={value!r}, expected an int >= 0.")
         samples, size = self.distributed_sampler.num_samples, self._batch_size()
-        drop_last = self.batch_sampler is not None and bool(getattr(self.batch_sampler, "drop_last", False))
+        drop_last = self._drop_last()
         per_epoch = samples // size if drop_last else -(-samples // size)
         if state["batches"] > per_epoch:
             raise ValueError(
@@ -222,6 +254,12 @@ class DistributedLoader(DataLoader):
         if state.get("generator") is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
         self._start_at(self._resume_batches)
+
+
+def _same_generator_state(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(torch.equal(a, b))
 
 
 def _is_generator_state(value: Any) -> bool:

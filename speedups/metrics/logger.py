@@ -567,6 +567,11 @@ class MetricLogger:
             for sink in self.sinks:
                 sink.resume(state["step"])
 
+    def _merge_rank_states(self, states: list[Any], change: Any) -> dict[str, Any]:
+        """On another number of processes: the writer's (rank 0's) position (``load_checkpoint`` calls it)."""
+        self._check_state(states[0])
+        return dict(states[0])
+
     def _check_state(self, state: Any) -> None:
         step = state.get("step", -1) if isinstance(state, Mapping) else -1
         if not isinstance(state, Mapping) or (step is not None and (type(step) is not int or step < 0)):

@@ -155,7 +155,11 @@ def test_a_failing_load_puts_back_what_it_had_loaded(tmp_path: Path) -> None:
     fresh_tracker.update(5.0)
     step4 = accumulate(4, fresh_opt)(lambda: fresh(torch.ones(2, 3)).sum())  # another window size: refused
     weights = [p.detach().clone() for p in fresh.parameters()]
-    with pytest.raises(ValueError, match="accumulated over 2 micro-steps"):
+    with pytest.raises(
+        SpeedupsError,
+        match=r"1 process x accumulate\(2\) = 2 micro-batches per optimizer step; "
+        r"this run has 1 process x accumulate\(4\).*decorate the step with accumulate\(2, ...\)",
+    ):
         load_checkpoint(path, model=fresh, opt=fresh_opt, tracker=fresh_tracker, step=step4)
     torch.testing.assert_close([p.detach() for p in fresh.parameters()], weights, atol=0, rtol=0)
     assert not fresh_opt.state and fresh_tracker.compute() == 5.0 and len(fresh_tracker) == 1
@@ -419,7 +423,12 @@ def test_the_file_is_a_plain_dict_with_the_documented_layout(tmp_path: Path) -> 
     assert not any(t.startswith("speedups") for t in _walk_types(raw))
     assert set(raw) == {"model", "optimizer", "step", "tracker", "loader", "epoch", "_speedups"}
     meta = raw["_speedups"]
-    assert meta["format"] == "speedups.checkpoint/2" and meta["world_size"] == 1 and len(meta["rng"]) == 1
+    assert (
+        meta["format"] == "speedups.checkpoint/3"
+        and "per_rank" not in meta
+        and meta["world_size"] == 1
+        and len(meta["rng"]) == 1
+    )
     assert meta["objects"] == {"model": "Sequential", "optimizer": "SGD", "step": "Step",
                                "tracker": "LossTracker", "loader": "DistributedLoader"}  # fmt: skip
     assert _same(raw["model"], model.state_dict()) and raw["epoch"] == 2
