@@ -88,7 +88,7 @@ class _Epoch:
         return min(batches * self.batch, self.rank_samples) * self.world if batches else 0
 
     def describe(self, every: int | None) -> str:
-        procs = f"{self.world} process{'es' if self.world > 1 else ''}"
+        procs = _procs(self.world)
         window = f" x accumulate({every})" if every is not None else ""
         if not self.known_batch:  # no loader was passed: batches are taken to be alike
             return f"{procs}{window} = {self.micro * (every or 1)} micro-batches per optimizer step"
@@ -208,10 +208,9 @@ def _new_batches(said: str, name: str, consumed: int, old: _Epoch, new: _Epoch) 
     if consumed % new.micro:
         raise SpeedupsError(
             f"{said}: loader {name!r} was saved {consumed} samples into its epoch (all ranks), which is not "
-            f"a whole number of this run's micro-steps ({new.world} x batch {new.batch} = {new.micro} "
-            f"samples), so no rank could start at that sample. Resume on a layout whose micro-step divides "
-            f"{consumed} "
-            f"(e.g. {old.world} process{'es' if old.world > 1 else ''} x batch {old.batch}), or from a "
+            f"a whole number of this run's micro-steps ({_procs(new.world)} x batch {new.batch} = "
+            f"{new.micro} samples), so no rank could start at that sample. Resume on a layout whose "
+            f"micro-step divides {consumed} (e.g. {_procs(old.world)} x batch {old.batch}), or from a "
             f"checkpoint at a window boundary."
         )
     return consumed // new.micro
@@ -236,7 +235,7 @@ def _place_step(
         keep = _fit(every * old.micro, new.micro)
         fix = (
             f"decorate the step with accumulate({keep}, ...) here." if keep else
-            f"no whole accumulation count does it on {new.world} process{'es' if new.world > 1 else ''}"
+            f"no whole accumulation count does it on {_procs(new.world)}"
             + (f" with batch {new.batch}" if new.known_batch else "")
             + "; change the batch size or the number of processes."
         )  # fmt: skip
@@ -266,7 +265,7 @@ def _place_step(
     if window % new.micro and not (items and at_tail):
         raise SpeedupsError(
             f"{said}: {name!r} was saved after {pending} of {every} micro-steps of a window ({window} "
-            f"samples on {old.world} process{'es' if old.world > 1 else ''}), which is not a whole number of "
+            f"samples on {_procs(old.world)}), which is not a whole number of "
             f"this run's micro-steps ({new.micro} samples): resume on a layout whose micro-step divides "
             f"{window}, or from a checkpoint at a window boundary."
         )
@@ -274,6 +273,10 @@ def _place_step(
         change.saved_world, change.world, change.rank, change.batches,
         pending=-(-window // new.micro), micro_steps=round(micro * old.micro / new.micro),
     )  # fmt: skip
+
+
+def _procs(world: int) -> str:
+    return f"{world} process{'es' if world > 1 else ''}"
 
 
 def _fit(samples: int, micro: int) -> int:

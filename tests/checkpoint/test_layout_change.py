@@ -1,0 +1,90 @@
+"""Resuming on another layout: a checkpoint saved on W processes x accumulate(A) x batch B continues on
+W' x A' x B' with the same global batch, mid-epoch and mid-window, and follows the uninterrupted run to float
+rounding; what cannot continue exactly is refused with the fix. The runs are tests/_elastic.py (in this
+process) and tests/workers/elastic_resume.py (2 processes under torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedups import SpeedupsError, SpeedupsWarning
+from tests._dist import WORKERS, run_torchrun
+from tests._elastic import run
+
+SCRIPT = WORKERS / "elastic_resume.py"
+TOL = 1e-5
+
+
+def _close(got: dict, ref: dict, what: str) -> None:
+    for a, b in zip(got["weights"], ref["weights"], strict=True):
+        assert (a - b).abs().max().item() < TOL, f"{what}: weights {(a - b).abs().max().item():.2e} away"
+    assert got["updates"] == ref["updates"] and got["lr"] == pytest.approx(ref["lr"]), what
+    assert got["mean"] == pytest.approx(ref["mean"], rel=1e-5), what
+
+
+def _torchrun(*args: str) -> None:
+    done = run_torchrun(SCRIPT, list(args), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
+def test_one_process_resumes_with_another_batch_and_accumulation(tmp_path: Path, items: bool) -> None:
+    ref = run(4, out=tmp_path, save_at=(2, 6, 13, 14), items=items)  # batch 4 x accumulate(4)
+    assert ref["updates"] == 6 and ref["micro_steps"] == 24
+    same = run(2, batch=8, items=items)  # batch 8 x accumulate(2): the same training, in other pieces
+    _close(same, ref, "batch 8 x accumulate(2), uninterrupted")
+    for k in (2, 6, 14):  # after a window's first half, mid-window in epoch 0, mid-window in epoch 1
+        got = run(2, batch=8, resume=tmp_path / f"k{k}.pt", items=items)
+        _close(got, ref, f"saved after micro-step {k} of batch 4, resumed with batch 8")
+        assert got["micro_steps"] == 12
+    with pytest.raises(
+        SpeedupsError,
+        match=r"saved 4 samples into its epoch \(all ranks\), which is not a "
+        r"whole number of this run's micro-steps \(1 process x batch 8 = 8 samples\)",
+    ):
+        run(2, batch=8, resume=tmp_path / "k13.pt", items=items)
+    with pytest.raises(
+        SpeedupsError,
+        match=r"saved on 1 process x accumulate\(4\) x batch 4 = 16 samples "
+        r"per optimizer step; this run has 1 process x accumulate\(4\) x batch 8 = 32 .*"
+        r"Keep 16: decorate the step with accumulate\(2, ...\) here",
+    ):
+        run(4, batch=8, resume=tmp_path / "k6.pt", items=items)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_resume_on_one_with_the_accumulation_doubled(tmp_path: Path) -> None:
+    _torchrun(str(tmp_path), "2", "save", "1,3,6,7")  # 2 x accumulate(2) x 4: 16 samples per step
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert two["updates"] == 6 and two["micro_steps"] == 12
+    _close(run(4), two, "1 x accumulate(4), uninterrupted")  # the same training on one process
+    for k in (1, 3, 6, 7):  # mid-window, mid-window and mid-epoch, end of epoch 0, mid-window in epoch 1
+        with pytest.warns(SpeedupsWarning, match="saved with 2 processes, resumed on 1; each rank keeps its"):
+            got = run(4, resume=tmp_path / f"k{k}.pt")
+        _close(got, two, f"2 processes saved after micro-step {k}, 1 process resumed")
+        assert got["micro_steps"] == 24
+    with pytest.raises(
+        SpeedupsError,
+        match=r"saved on 2 processes x accumulate\(2\) x batch 4 = 16 samples "
+        r"per optimizer step; this run has 1 process x accumulate\(2\) x batch 4 = 8 .*"
+        r"Keep 16: decorate the step with accumulate\(4, ...\) here",
+    ):
+        run(2, resume=tmp_path / "k3.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
+def test_one_process_resumes_on_two_with_the_accumulation_halved(tmp_path: Path, items: bool) -> None:
+    one = run(4, out=tmp_path, save_at=(1, 2, 6, 13), items=items)
+    _torchrun(str(tmp_path), "2", "resume", "1,2,6,13", *(["items"] if items else []))
+    for k in (2, 6):  # half a window in epoch 0; 8 samples into the second window
+        _close(torch.load(tmp_path / f"two-from-{k}.pt", weights_only=True), one, f"resumed after {k}")
+    for k in (1, 13):  # 4 samples into a window: not a whole micro-step of 2 processes x batch 4
+        refused = (tmp_path / f"refused-{k}.txt").read_text()
+        assert "which is not a whole number of this run's micro-steps (2 processes x batch 4 = 8" in refused
+        assert not (tmp_path / f"two-from-{k}.pt").exists()
