@@ -17,6 +17,7 @@ import torch
 from speedups._helpers import validate
 from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
+from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
 from speedups.checkpoint.checks import check_entry, is_checked
 from speedups.checkpoint.entries import check_path, fsdp_type, refuse_positional, saved_object, split_state
@@ -86,6 +87,7 @@ def load_checkpoint(
     """
     check_path("load_checkpoint", path)
     refuse_positional("load_checkpoint", unnamed)
+    writes.wait()  # a checkpoint this process writes in the background is complete before it is read
     objects, extra = split_state("load_checkpoint", state, allow_empty=True)
     if extra:
         raise TypeError(

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speedups._helpers import env
+from speedups._helpers import env, validate
 from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import get_rng_states
+from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
 from speedups.checkpoint.entries import (
     check_path,
@@ -32,17 +34,21 @@ from speedups.checkpoint.rank_states import gather_rank_states, is_per_rank
 from speedups.checkpoint.sharded import save_sharded
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
-__all__ = ["ALONE_AFTER_S", "save_checkpoint"]
+__all__ = ["ALONE_AFTER_S", "save_checkpoint", "write_checkpoint"]
 
 ALONE_AFTER_S = 5.0
 """Seconds rank 0 waits for the other ranks in ``save_checkpoint`` before it saves alone."""
 
 
-def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike[str], *unnamed: Any, background: bool = False, **state: Any
+) -> Path:
     """Save every named object's ``state_dict()``, plain values and every rank's RNG states to ``path``.
 
-    Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the RNG
-    gather, and a final wait); rank 0 alone writes, to a temporary name in the same directory, flushed to
+    Call it on **every rank** at the same point (it runs collectives: some ``state_dict()`` calls, the
+    gather of every rank's RNG states and per-rank objects' states, and a final wait); each rank gets its own
+    back from :func:`~speedups.load_checkpoint` (an ``@accumulate`` step saved mid-window holds each rank's
+    own pending gradients). Rank 0 alone writes, to a temporary name in the same directory, flushed to
     disk, then renamed over ``path`` (atomic: a crash mid-write never leaves a broken checkpoint). Called on
     rank 0 alone (a port of ``if master_process: torch.save(...)``), it waits :data:`ALONE_AFTER_S` seconds
     for the others, then saves what rank 0 holds (a DDP model and a non-sharded optimizer are the same on
@@ -55,11 +61,17 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
     :class:`~speedups.DistributedLoader` saves its epoch and position, so a resumed run continues with the
     next batch. With an FSDP2 model, ``path`` is a directory written by ``torch.distributed.checkpoint``.
 
-    Sync points: the ``state_dict()`` calls (a device-to-host copy for some), an ``all_gather_object`` of the
-    RNG states and a broadcast from rank 0 after the write.
+    ``background=True`` returns once rank 0 holds a copy of the state in host memory (memory: one more copy
+    of what is saved) and writes the file in a thread: the loop stalls for the copy only, the previous file
+    stays intact until the new one is complete, and the next save or load waits for the write (as does the
+    interpreter at exit); a failed write is raised by the next ``save_checkpoint``, on every rank.
+
+    Sync points: the ``state_dict()`` calls (a device-to-host copy for some), a ``gather_object`` of the
+    per-rank states and a broadcast from rank 0 after the write (with ``background``, after the copy).
 
     Args:
         path: the checkpoint file (its directory is created), or directory for FSDP2.
+        background: write the file in a background thread (not for FSDP2 directories).
         **state: objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler, loader,
             LossTracker, @accumulate step, mixed_precision) and plain values (``step=120``), by the names
             used to load them.
@@ -69,8 +81,9 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
 
     Raises:
         TypeError: a value is neither stateful nor plain data; an object given by position (it needs a name).
-        ValueError: nothing passed, or a name starts with ``_``.
-        SpeedupsError: rank 0 could not write the file, or ``path`` is a directory (raised on every rank);
+        ValueError: nothing passed, or a name starts with ``_``; ``background`` with an FSDP2 model.
+        SpeedupsError: rank 0 could not write the file (or the background write before failed), or
+            ``path`` is a directory (raised on every rank);
             rank 0 alone with FSDP2 or a window in progress; a rank other than 0 alone, at the collective
             timeout (it says after 10 s, on stderr, that every rank must call it).
 
@@ -87,16 +100,40 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
     """
     path = check_path("save_checkpoint", path)
     refuse_positional("save_checkpoint", unnamed)
+    with validate.arguments(f"save_checkpoint(path, background={background!r})"):
+        validate.flag(background, "background")
     objects, plain = split_state("save_checkpoint", state)
+    return write_checkpoint(path, objects, plain, background=background)
+
+
+def write_checkpoint(
+    path: Path,
+    objects: dict[str, Any],
+    plain: dict[str, Any],
+    *,
+    background: bool = False,
+    then: Callable[[], None] | None = None,
+) -> Path:
+    """:func:`save_checkpoint` of checked arguments; ``then`` runs on rank 0 once the file is complete (in
+    the writer thread with ``background``), as a run directory drops its oldest checkpoints then."""
     fsdp = fsdp_type()
     sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+    if sharded and background:
+        raise ValueError(
+            f"save_checkpoint({str(path)!r}, background=True): an FSDP2 model is saved by "
+            f"torch.distributed.checkpoint into a directory, which speedups writes in the foreground. "
+            f"Pass background=False."
+        )
     together = arrive("save_checkpoint", alone_after_s=ALONE_AFTER_S) if collective() else True
     if not together:
         if env.rank() != 0:
             return path  # rank 0 went on alone and wrote the file; this rank arrived too late to join
         _check_alone(path, objects, sharded)
     if sharded:
+        writes.wait()
         save_sharded(path, objects, plain)
+        if then is not None and env.rank() == 0:
+            then()
         return path
     targets = {name: saved_object(obj) for name, obj in objects.items()}
     payload: dict[str, Any] = {name: target.state_dict() for name, target in targets.items()}
@@ -118,10 +155,19 @@ def save_checkpoint(path: str | os.PathLike[str], *unnamed: Any, **state: Any) -
     payload[file_format.META] = meta
     error = ""
     if env.rank() == 0:
-        try:
-            file_format.write(path, payload)
-        except OSError as err:
-            error = f"{type(err).__name__}: {err}"
+        if background:  # the write before must end first: its buffers take this copy
+            writes.wait()
+            error = writes.start(path, writes.host_copy(payload), then)  # the write before's error, if any
+        else:
+            writes.wait()  # a background write in flight ends first (it may be this very path)
+            error = writes.take_error()
+            try:
+                file_format.write(path, payload)
+                if then is not None:
+                    then()
+            except OSError as err:
+                error = f"{error}; " if error else ""
+                error += f"{type(err).__name__}: {err}"
     if collective() and together:
         box = [error]
         with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current

@@ -1,0 +1,118 @@
+"""Background checkpoint writes: the loop waits for a copy of the state in host memory, a thread writes it.
+
+``save_checkpoint(..., background=True)`` hands its payload here on rank 0 after copying every tensor in it
+(a CPU model's ``state_dict()`` shares its parameters' memory, so the next optimizer step would change what
+is being written). One write runs at a time, in a non-daemon thread (the interpreter waits for it at exit):
+the next save, and any load, waits for the one before. The write itself is the atomic one of
+:func:`~speedups.checkpoint.file_format.write`, so the previous checkpoint stays intact until the new one is
+complete. A write that failed is reported by the next ``save_checkpoint`` (on every rank) or :func:`wait`.
+
+This is the process's one writer: the module holds it, as the process holds its files.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedups._helpers.tree import tree_map
+from speedups.checkpoint import file_format
+
+__all__ = ["host_copy", "start", "take_error", "wait"]
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_error = ""  # the last failed write's message, until someone is told
+_buffers: list[torch.Tensor] = []  # the host copy of the last payload, reused by the next one
+
+
+def host_copy(payload: Any) -> Any:
+    """``payload`` with every tensor copied to (pinned, for CUDA tensors) host memory; waits for the copies.
+
+    The copies go into the buffers of the previous call where shapes and dtypes match (call it only when no
+    write still reads them: after :func:`wait`), so a run that saves the same state again pays a copy, not
+    an allocation (fresh memory costs a page fault per 4 KiB, about as much again as the copy). The process
+    keeps that one host copy of the state between saves.
+
+    Sync points: one device synchronisation when the payload holds device tensors.
+    """
+    global _buffers
+    old, new, devices = iter(_buffers), [], set()
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.detach()
+        pinned = value.device.type == "cuda"
+        host = next(old, None)
+        if (
+            host is None
+            or host.shape != value.shape
+            or host.dtype != value.dtype
+            or host.is_pinned() != pinned
+        ):
+            host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+        if value.device.type != "cpu":
+            devices.add(value.device)
+        new.append(host)
+        return host.copy_(value, non_blocking=pinned)
+
+    copied = tree_map(copy, payload)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    _buffers = new
+    return copied
+
+
+def start(path: Path, payload: dict[str, Any], then: Callable[[], None] | None = None) -> str:
+    """Wait for the write before, then write ``payload`` to ``path`` in a thread.
+
+    ``payload`` must be this module's :func:`host_copy`, made after :func:`wait` (so its buffers are free).
+
+    ``then`` runs in the thread after a successful write (a run directory drops its oldest checkpoints).
+
+    Returns:
+        The error of the write before, if it failed ("" otherwise): the caller reports it.
+    """
+    global _thread
+    wait()
+    previous = take_error()
+    thread = threading.Thread(
+        target=_write, args=(path, payload, then), name=f"speedups checkpoint writer ({path.name})"
+    )
+    with _lock:
+        _thread = thread
+    thread.start()
+    return previous
+
+
+def wait() -> None:
+    """Wait for the write in progress, if any (at once when there is none)."""
+    with _lock:
+        thread = _thread
+    if thread is not None:
+        thread.join()
+
+
+def take_error() -> str:
+    """The error of the last failed write, once ("" when none failed since the last call)."""
+    global _error
+    with _lock:
+        error, _error = _error, ""
+    return error
+
+
+def _write(path: Path, payload: dict[str, Any], then: Callable[[], None] | None) -> None:
+    global _error
+    try:
+        file_format.write(path, payload)
+        if then is not None:
+            then()
+    except Exception as err:  # reported by the next save or wait, on the loop's thread
+        with _lock:
+            _error = f"{type(err).__name__}: {err} (writing {str(path)!r} in the background)"

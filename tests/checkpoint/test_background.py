@@ -1,0 +1,139 @@
+"""Background saves: the loop waits for a host copy of the state; the file is written in a thread, the previous
+checkpoint stays intact until the new one is complete, the next save (and any load) waits for the write, a
+failed write is raised by the next save, and the interpreter waits for the write at exit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from speedups import SpeedupsError, accumulate, checkpoint_values, load_checkpoint, save_checkpoint
+from speedups.checkpoint import background, file_format
+from tests._bench import run_quick
+from tests._dist import ROOT, _env
+
+
+def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = accumulate(2, opt)(lambda x: model(x).square().mean())
+    for _ in range(steps):
+        step(torch.randn(5, 4))
+    return model, opt, step
+
+
+class _Gate:
+    """Holds every background write until opened; records the order of the writes' starts and ends."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.open, self.events = threading.Event(), []
+        real = file_format.write
+
+        def held(path: Path, payload: dict) -> None:
+            self.events.append(("start", path.name))
+            if threading.current_thread() is not threading.main_thread():
+                assert self.open.wait(30)
+            real(path, payload)
+            self.events.append(("end", path.name))
+
+        monkeypatch.setattr(file_format, "write", held)
+
+
+def test_the_file_holds_the_state_at_the_save_not_what_training_did_afterwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _Gate(monkeypatch)
+    model, opt, step = _trained()
+    at_save = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]  # mid-window: the pending gradients are saved
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=step, background=True)
+    for _ in range(4):  # training goes on while the file is written: 2 more updates, in place
+        step(torch.randn(5, 4))
+    gate.open.set()
+    background.wait()
+    assert not (tmp_path / ".c.pt").exists() and "background" not in checkpoint_values(tmp_path / "c.pt")
+    fresh, fresh_opt, fresh_step = _trained(0)
+    load_checkpoint(tmp_path / "c.pt", model=fresh, optimizer=fresh_opt, step=fresh_step)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), at_save, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(fresh.parameters(), grads, strict=True))
+    assert fresh_step.pending == 1 and fresh_step.num_updates == 1
+
+
+def test_the_previous_file_stays_until_the_new_one_is_complete_and_saves_run_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c.pt"
+    save_checkpoint(
+        path, model=nn.Linear(2, 1), epoch=1
+    )  # the previous checkpoint, written in the foreground
+    gate = _Gate(monkeypatch)
+    save_checkpoint(path, model=nn.Linear(2, 1), epoch=2, background=True)
+    assert checkpoint_values(path) == {"epoch": 1}  # the write is held: the old file is whole and readable
+    opener = threading.Timer(0.2, gate.open.set)
+    opener.start()
+    save_checkpoint(tmp_path / "d.pt", model=nn.Linear(2, 1), epoch=3, background=True)  # waits for c.pt
+    opener.join()
+    assert gate.events[:3] == [("start", "c.pt"), ("end", "c.pt"), ("start", "d.pt")]
+    assert load_checkpoint(path) == {"epoch": 2} and checkpoint_values(tmp_path / "d.pt") == {"epoch": 3}
+    assert gate.events[-1] == ("end", "d.pt")  # load_checkpoint waited for the write in flight
+
+
+def test_a_failed_background_write_is_raised_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(path: Path, payload: dict) -> None:
+        raise OSError(28, "No space left on device")
+
+    real = file_format.write
+    monkeypatch.setattr(file_format, "write", full_disk)
+    save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), background=True)  # returns: the write is later
+    background.wait()
+    monkeypatch.setattr(file_format, "write", real)
+    with pytest.raises(
+        SpeedupsError, match=r"No space left on device \(writing '.*c.pt' in the background\)"
+    ):
+        save_checkpoint(tmp_path / "d.pt", model=nn.Linear(2, 1))
+    assert (tmp_path / "d.pt").exists()  # this save itself was written; the error was the one before
+    save_checkpoint(tmp_path / "e.pt", model=nn.Linear(2, 1))  # reported once
+
+
+def test_bad_background_argument_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"background=1.*expected True or False"):
+        save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), background=1)
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.slow
+def test_the_interpreter_waits_for_the_write_at_exit(tmp_path: Path) -> None:
+    code = (
+        "import sys, time, torch\n"
+        "from speedups import save_checkpoint\n"
+        "from speedups.checkpoint import file_format\n"
+        "real = file_format.write\n"
+        "def slow(path, payload):\n"
+        "    time.sleep(1.0)\n"
+        "    real(path, payload)\n"
+        "file_format.write = slow\n"
+        f"save_checkpoint({str(tmp_path / 'c.pt')!r}, model=torch.nn.Linear(64, 64), epoch=7, background=True)\n"
+        "print('returned', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(None), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr
+    assert checkpoint_values(tmp_path / "c.pt") == {"epoch": 7}
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_its_line() -> None:
+    stdout = run_quick("checkpointing")
+    assert re.search(
+        r"checkpointing: background save stalls the loop \d+\.\d\dx of a synchronous save", stdout
+    )
