@@ -1,6 +1,6 @@
-"""Background saves: the loop waits for a host copy of the state; the file is written in a thread, the previous
-checkpoint stays intact until the new one is complete, the next save (and any load) waits for the write, a
-failed write is raised by the next save, and the interpreter waits for the write at exit."""
+"""Background saves: the loop waits for a host copy of the state; the file is written in a thread, the
+previous checkpoint stays intact until the new one is complete, the next save (and any load) waits for the
+write, a failed write is raised by the next save, and the interpreter waits for the write at exit."""
 
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ def test_the_interpreter_waits_for_the_write_at_exit(tmp_path: Path) -> None:
         "    time.sleep(1.0)\n"
         "    real(path, payload)\n"
         "file_format.write = slow\n"
-        f"save_checkpoint({str(tmp_path / 'c.pt')!r}, model=torch.nn.Linear(64, 64), epoch=7, background=True)\n"
+        f"save_checkpoint({str(tmp_path / 'c.pt')!r}, model=torch.nn.Linear(64, 64), epoch=7,\n"
+        "                background=True)\n"
         "print('returned', flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(None), capture_output=True,
