@@ -5,7 +5,13 @@ Composable decorators and context managers, one folder (or module) per tip; this
 
 from speedups.accumulation import UpdateRecord, accumulate
 from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
-from speedups.checkpoint import checkpoint_values, load_checkpoint, save_checkpoint
+from speedups.checkpoint import (
+    RunDirectory,
+    StopOnSignal,
+    checkpoint_values,
+    load_checkpoint,
+    save_checkpoint,
+)
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -38,9 +44,11 @@ __all__ = [
     "LoaderReport",
     "LossTracker",
     "MetricLogger",
+    "RunDirectory",
     "SpeedupsError",
     "SpeedupsWarning",
     "StepProfiler",
+    "StopOnSignal",
     "UpdateRecord",
     "__version__",
     "accumulate",

@@ -43,17 +43,19 @@ def is_checked(obj: Any) -> bool:
 
 
 def check_entry(
-    said: str, name: str, entry: str, obj: Any, saved: Any, saved_class: str | None, *, strict: bool = True
-) -> Any:
+    said: str, name: str, entry: str, obj: Any, saved: Any, saved_class: str | None, *, strict: bool = True,
+    depth: int = 1,
+) -> Any:  # fmt: skip
     """Check that ``obj`` (already unwrapped) accepts ``saved``; return what to pass to its load_state_dict.
 
     ``name`` is the argument (``model``), ``entry`` the file's entry it reads (the same, or from ``keys=``),
     ``saved_class`` the class name recorded when saving (None or "" when the file does not say). ``strict``
-    False: a model gets the entries it has (same name and shape), the others are named in one warning.
+    False: a model gets the entries it has (same name and shape), the others are named in one warning, at
+    ``depth`` frames above the loading function's caller.
     """
     what = name if entry == name else f"{name} (entry {entry!r})"
     if isinstance(obj, nn.Module):
-        return _check_model(said, what, obj, saved) if strict else _matching(said, what, obj, saved)
+        return _check_model(said, what, obj, saved) if strict else _matching(said, what, obj, saved, depth)
     if isinstance(obj, torch.optim.Optimizer):
         _check_class(said, what, obj, saved_class, "optimizer")
         _check_optimizer(said, what, obj, saved)
@@ -121,7 +123,7 @@ def _check_model(said: str, what: str, model: nn.Module, saved: Any) -> dict[str
     return state
 
 
-def _matching(said: str, what: str, model: nn.Module, saved: Any) -> dict[str, Any]:
+def _matching(said: str, what: str, model: nn.Module, saved: Any, depth: int = 1) -> dict[str, Any]:
     """The entries of ``saved`` that ``model`` has, with the same shape; a warning (rank 0) names the rest."""
     if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
         _check_model(said, what, model, saved)  # raises its message
@@ -144,7 +146,7 @@ def _matching(said: str, what: str, model: nn.Module, saved: Any) -> dict[str, A
             f"values: missing from the file {_few(missing)}, another shape {_few(mismatched)}; unused from "
             f"the file: {_few(unexpected)}.",
             SpeedupsWarning,
-            stacklevel=5,  # _matching, check_entry, the comprehension in load_checkpoint, it, the caller
+            stacklevel=4 + depth,  # _matching, check_entry, the comprehension, the loading calls, the caller
         )
     return {key: value for key, value in state.items() if key in own and key not in mismatched}
 

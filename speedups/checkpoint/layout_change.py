@@ -34,7 +34,12 @@ from speedups.checkpoint.rank_states import is_per_rank, state_of_this_rank
 from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError
 
-__all__ = ["changes_layout", "states_for_this_layout"]
+__all__ = ["LayoutError", "changes_layout", "states_for_this_layout"]
+
+
+class LayoutError(SpeedupsError):
+    """The checkpoint cannot continue exactly on this run's layout (nothing was loaded). A run directory
+    then tries the checkpoint before it (a periodic one, at a window boundary, usually can)."""
 
 
 def _is_step(target: Any) -> bool:
@@ -125,7 +130,7 @@ def states_for_this_layout(
         for name, step in steps.items()
     }
     if not steps and loader_name is not None and position and old.micro != new.micro:
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: loader {loader_name!r} was saved mid-epoch on {old.describe(None)}, and here "
             f"{new.describe(None)}: without the step, each batch here would be an optimizer step of "
             f"another size. Pass the @accumulate step too (step=train_step) with "
@@ -147,7 +152,7 @@ def states_for_this_layout(
         elif all(_same(states[0], s) for s in states[1:]):
             out[name] = states[0]
         else:
-            raise SpeedupsError(
+            raise LayoutError(
                 f"{said}: {name!r} ({type(target).__name__}) saved another state on each of its "
                 f"{saved_world} processes, and it has no way to merge them for {world}. Resume on "
                 f"{saved_world} processes, or leave {name}= out of load_checkpoint."
@@ -169,7 +174,7 @@ def _epochs(
     if len(loaders) > 1:
         moving = [n for n in loaders if contents.entries[entry_of[n]].get("batches")]
         if len(moving) > 1:
-            raise SpeedupsError(
+            raise LayoutError(
                 f"{said}: {sorted(moving)} were all saved mid-epoch; on another layout only one loader (the "
                 f"training loader) can be placed. Resume on the same layout, or save at an epoch boundary."
             )
@@ -191,7 +196,7 @@ def _epochs(
             f"{here['samples']}. Resume with the same dataset."
         )
     if old.used != new.used:
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: loader {name!r}: an epoch trains on {old.used} samples on {saved_world} processes "
             f"(batch {old.batch}) and on {new.used} here ({world} processes, batch {new.batch}): "
             f"DistributedSampler pads the dataset to a multiple of the world size, and drop_last drops a "
@@ -206,7 +211,7 @@ def _new_batches(said: str, name: str, consumed: int, old: _Epoch, new: _Epoch) 
     if consumed >= new.used:
         return new.batches  # the epoch was over: nothing of it is left here either
     if consumed % new.micro:
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: loader {name!r} was saved {consumed} samples into its epoch (all ranks), which is not "
             f"a whole number of this run's micro-steps ({_procs(new.world)} x batch {new.batch} = "
             f"{new.micro} samples), so no rank could start at that sample. Resume on a layout whose "
@@ -239,12 +244,12 @@ def _place_step(
             + (f" with batch {new.batch}" if new.known_batch else "")
             + "; change the batch size or the number of processes."
         )  # fmt: skip
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: {name!r} was saved on {old.describe(every)}; this run has {new.describe(here)}: "
             f"resuming would change the global batch, so the training. Keep {every * old.micro}: {fix}"
         )
     if not items and consumed is not None and (old.used % old.micro or new.used % new.micro):
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: {name!r}: an epoch of {old.used} samples is not a whole number of micro-steps on "
             f"both layouts ({old.micro} and {new.micro} samples each): its last, partial micro-step would "
             f"weigh its samples differently. Use a dataset size (or drop_last) that gives whole micro-steps "
@@ -252,7 +257,7 @@ def _place_step(
             f"layout."
         )
     if pending and len(states) < old.world:
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: {name!r} was saved with {pending} of {every} micro-steps of a window pending, and "
             f"the file holds rank 0's pending gradients only (saved by rank 0 alone, or by an older "
             f"speedups): the window cannot continue on another layout. Resume on {old.world} processes, or "
@@ -263,7 +268,7 @@ def _place_step(
     if pending and at_tail:  # the epoch's last, partial micro-step is in the window (items mode only)
         window -= old.micro - old.used % old.micro
     if window % new.micro and not (items and at_tail):
-        raise SpeedupsError(
+        raise LayoutError(
             f"{said}: {name!r} was saved after {pending} of {every} micro-steps of a window ({window} "
             f"samples on {_procs(old.world)}), which is not a whole number of "
             f"this run's micro-steps ({new.micro} samples): resume on a layout whose micro-step divides "

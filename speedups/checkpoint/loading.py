@@ -26,7 +26,7 @@ from speedups.checkpoint.rank_states import rng_of_this_rank, state_of_this_rank
 from speedups.checkpoint.sharded import load_sharded
 from speedups.errors import SpeedupsError
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "load_contents"]
 
 
 def load_checkpoint(
@@ -105,7 +105,23 @@ def load_checkpoint(
             raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
         arrive("load_checkpoint")  # FSDP2 loads are collective
         return load_sharded(path, objects)
-    contents = file_format.read(path, said)
+    return load_contents(said, file_format.read(path, said), objects, entry_of, strict=strict, depth=2)
+
+
+def load_contents(
+    said: str,
+    contents: file_format.Contents,
+    objects: dict[str, Any],
+    entry_of: Mapping[str, str] | None = None,
+    *,
+    strict: bool = True,
+    depth: int = 1,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` of a file already read (a run directory reads it to know it is whole).
+
+    ``depth``: the frames between the caller's code and this call, for the warnings (1: load_checkpoint).
+    """
+    entry_of = entry_of or {name: name for name in objects}
     entries = contents.entries
     missing = [name for name in objects if entry_of[name] not in entries]
     if missing:
@@ -117,10 +133,10 @@ def load_checkpoint(
         saved = states_for_this_layout(said, contents, objects, entry_of)
     ready = {
         name: check_entry(said, name, entry_of[name], saved_object(obj), saved[name],
-                          classes.get(entry_of[name]), strict=strict)
+                          classes.get(entry_of[name]), strict=strict, depth=depth)
         for name, obj in objects.items()
     }  # fmt: skip
-    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks)  # checked before any object changes
+    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks, depth + 3)  # checked before any change
     _load_all(objects, ready, strict)
     if rng is not None:
         set_rng_states(rng)
@@ -150,7 +166,7 @@ def _check_keys(keys: Any, objects: dict[str, Any]) -> dict[str, str]:
     return {name: keys.get(name, name) for name in objects}
 
 
-def _missing(said: str, missing: list[str], entry_of: dict[str, str], contents: Any) -> str:
+def _missing(said: str, missing: list[str], entry_of: Mapping[str, str], contents: Any) -> str:
     held = sorted(contents.entries)
     absent = [entry_of[n] for n in missing]
     if not contents.foreign:

@@ -74,18 +74,19 @@ def state_of_this_rank(entry: str, rank0_state: Any, per_rank: dict[str, list[An
 
 def restore_rng(every: list[dict[str, Any]]) -> None:
     """Restore this rank's states from ``every`` rank's, when the world size is the same."""
-    rng = rng_of_this_rank(every, "load_checkpoint", None)
+    rng = rng_of_this_rank(every, "load_checkpoint", None, 5)
     if rng is not None:
         set_rng_states(rng)
 
 
 def rng_of_this_rank(
-    every: list[dict[str, Any]] | None, said: str, ranks: list[int] | None
+    every: list[dict[str, Any]] | None, said: str, ranks: list[int] | None, stacklevel: int = 3
 ) -> dict[str, Any] | None:
     """This rank's saved RNG states, checked; None (and a warning) when saved with another world size.
 
     ``ranks``: the ranks whose states ``every`` holds (a checkpoint saved by rank 0 alone holds rank 0's
     only: the other ranks keep their current states, and rank 0 says so once); None: every rank's, in order.
+    ``stacklevel``: the warnings' (the frames up to the user's call, this one included).
     """
     if every is None:
         return None
@@ -96,7 +97,7 @@ def rng_of_this_rank(
                 f"load_checkpoint: the checkpoint was saved by rank 0 alone and holds the RNG states of "
                 f"ranks {ranks} only; the other ranks keep their current ones (all else was restored).",
                 SpeedupsWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return file_format.checked_rng(every[ranks.index(rank)], said) if rank in ranks else None
     if len(every) == world:
@@ -107,6 +108,6 @@ def rng_of_this_rank(
             f"current RNG states, so randomness drawn in the training processes (dropout) follows the new "
             f"layout; everything else was restored.",
             SpeedupsWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return None

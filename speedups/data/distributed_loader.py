@@ -29,6 +29,7 @@ from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.sampler_adoption import adopted, check_adoptable
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
+from speedups.data.workers import sheltered
 from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
@@ -337,6 +338,8 @@ def _settings(loader: DataLoader) -> dict[str, Any]:
     if not kwargs.get("num_workers"):
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
+    else:  # workers that outlive a stop signal until the main process has saved
+        kwargs["worker_init_fn"] = sheltered(kwargs.get("worker_init_fn"))
     return kwargs
 
 

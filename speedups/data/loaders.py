@@ -25,7 +25,13 @@ from speedups._helpers.validate import short
 from speedups.data.rank_stream import splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
-from speedups.data.workers import dataloader_parameters, seed_worker, start_method, unpicklable_for_workers
+from speedups.data.workers import (
+    dataloader_parameters,
+    release_workers_at_exit,
+    seed_worker,
+    start_method,
+    unpicklable_for_workers,
+)
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["fast_loader"]
@@ -176,6 +182,7 @@ def fast_loader(
         seed_worker if user_init is None else functools.partial(seed_worker, init_fn=user_init)
     )
     if workers > 0:
+        release_workers_at_exit()  # its workers ignore SIGTERM: never let the exit wait for them
         # A dataset whose state changes per epoch (set_epoch) must reach fresh workers each epoch, as it does
         # with a plain DataLoader; persistent workers would silently keep their epoch-0 copy of it.
         kwargs.setdefault("persistent_workers", not has_per_epoch_state(dataset))

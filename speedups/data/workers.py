@@ -1,4 +1,14 @@
-"""What DataLoader worker processes need: their seeding, their start method, and a pickling check.
+"""What DataLoader worker processes need: their seeding, their start method, a pickling check, and shelter
+from the signals that stop a run.
+
+A preempted job gets SIGTERM (or SIGUSR1) in every process, loader workers included (torchrun signals each
+worker's whole process group; SLURM every process of the step). A worker that dies of it makes the main
+process raise "DataLoader worker is killed by signal" before it can save. Workers of ``fast_loader`` and
+``distributed()`` ignore those signals (:func:`shelter_worker`): the main process decides when to stop, and
+its workers end with it (torch's workers exit when their parent is gone, within 5 s). At interpreter exit,
+``multiprocessing`` would end workers still alive (a persistent loader held by a module-level name) with
+SIGTERM and wait for them: this process first ends the ones that ignore it with SIGKILL
+(:func:`release_workers_at_exit`), so that wait never hangs.
 
 Shared by :func:`~speedups.fast_loader` and :func:`~speedups.tune_loader`. Under the ``spawn`` and
 ``forkserver`` start methods (the default on macOS, Windows and Python 3.14) what a worker needs is
@@ -7,11 +17,16 @@ test-pickled before any worker starts, so a lambda ``collate_fn`` fails early wi
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import inspect
 import multiprocessing
+import os
 import pickle
 import random
+import signal
+import threading
 from collections.abc import Callable
 
 import torch
@@ -19,14 +34,95 @@ from torch.utils.data import DataLoader, get_worker_info
 
 __all__ = [
     "PICKLING_START_METHODS",
+    "STOP_SIGNALS",
     "dataloader_parameters",
+    "release_workers_at_exit",
     "seed_worker",
+    "shelter_worker",
+    "sheltered",
     "start_method",
     "unpicklable_for_workers",
 ]
 
 # Start methods that send the dataset, collate_fn and worker_init_fn to each worker by pickling them.
 PICKLING_START_METHODS = ("spawn", "forkserver")
+
+STOP_SIGNALS: set[int] = {int(signal.SIGTERM), int(getattr(signal, "SIGUSR1", signal.SIGTERM))}
+"""The signals loader workers ignore: SIGTERM and SIGUSR1, and those a :class:`~speedups.StopOnSignal` of this
+process watches (it adds them; workers started by ``fork`` see its additions, ``spawn`` workers the two)."""
+
+
+def _ignore_stop_signals() -> None:
+    for number in STOP_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):  # not a signal of this platform
+            signal.signal(number, signal.SIG_IGN)
+
+
+def shelter_worker(worker_id: int, init_fn: Callable[[int], object] | None = None) -> None:
+    """A loader worker's ``worker_init_fn``: ignore :data:`STOP_SIGNALS`, then call ``init_fn``."""
+    _ignore_stop_signals()
+    if init_fn is not None:
+        init_fn(worker_id)
+
+
+def sheltered(init_fn: Callable[[int], object] | None) -> Callable[[int], object]:
+    """``init_fn`` made to shelter its worker from the stop signals (it already does if it is ours)."""
+    release_workers_at_exit()
+    inner = init_fn.func if isinstance(init_fn, functools.partial) else init_fn
+    if inner in (seed_worker, shelter_worker):
+        return init_fn  # type: ignore[return-value]
+    return functools.partial(shelter_worker, init_fn=init_fn)
+
+
+_release_registered = False
+
+
+def release_workers_at_exit() -> None:
+    """Register, once per process, the exit handler that ends sheltered workers (see the module docstring).
+
+    Registered after ``multiprocessing``'s own exit handler, so it runs before it.
+    """
+    global _release_registered
+    if not _release_registered:
+        _release_registered = True
+        atexit.register(_release_sheltered_workers)
+
+
+def _ignores_sigterm(pid: int) -> bool | None:
+    """Whether process ``pid`` ignores SIGTERM (Linux: its ``SigIgn`` mask), or None when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (int(signal.SIGTERM) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _release_sheltered_workers() -> None:
+    """End this process's daemonic children that ignore SIGTERM (SIGKILL), before ``multiprocessing``
+    terminates them with SIGTERM and waits for them. Where the signal mask cannot be read, a child gets
+    SIGTERM, a second to go, then SIGKILL."""
+    children = [c for c in multiprocessing.active_children() if c.daemon and c.pid not in (None, os.getpid())]
+    if not children:
+        return
+    if threading.current_thread() is threading.main_thread():
+        # torch's loader watches its workers through SIGCHLD and raises when one dies: at exit, ending them
+        # is what is meant.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        try:
+            ignores = _ignores_sigterm(child.pid)  # type: ignore[arg-type]
+            if ignores is None:
+                child.terminate()
+                child.join(1.0)
+                ignores = child.is_alive()
+            if ignores:
+                child.kill()
+                child.join(5.0)
+        except Exception:  # an exit handler: the others must still be ended
+            continue
 
 
 def seed_worker(worker_id: int, init_fn: Callable[[int], object] | None = None) -> None:
@@ -35,8 +131,10 @@ def seed_worker(worker_id: int, init_fn: Callable[[int], object] | None = None) 
     torch gives each worker ``base_seed + worker_id`` as its torch seed (``get_worker_info().seed``), where
     ``base_seed`` is drawn from the loader's ``generator`` (or the global torch RNG) each time an epoch's
     workers start. Deriving the other two streams from it makes them distinct across workers and epochs and
-    reproducible from the generator's seed. Module-level (not a closure) so it pickles under ``spawn``.
+    reproducible from the generator's seed. Module-level (not a closure) so it pickles under ``spawn``. The
+    worker ignores :data:`STOP_SIGNALS`, so a preempted main process can still save.
     """
+    _ignore_stop_signals()
     info = get_worker_info()
     seed = info.seed if info is not None else torch.initial_seed()
     random.seed(f"speedups-worker-{seed}")  # str seeds go through SHA-512: stable across runs

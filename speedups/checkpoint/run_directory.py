@@ -1,0 +1,322 @@
+"""A run directory: periodic checkpoints, the last K kept, the newest complete one resumed, a clean stop.
+
+Every long run needs the same code around its loop: save every N updates or M minutes, keep the last few
+files, find the newest one on restart and skip one a crash or a full disk cut short, and stop cleanly when
+the scheduler preempts the job. :class:`RunDirectory` is that code, built on ``save_checkpoint`` /
+``load_checkpoint`` (per-rank state, atomic writes, optional background writes) and :class:`StopOnSignal`.
+Checkpoints are ``ckpt-<n>.pt`` (a directory for FSDP2), ``n`` counting up across restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from speedups._helpers import env, validate
+from speedups._helpers.agreement import Agreement
+from speedups._helpers.validate import short
+from speedups.checkpoint import background as writes
+from speedups.checkpoint import file_format
+from speedups.checkpoint.entries import check_path, collective, fsdp_type, refuse_positional, split_state
+from speedups.checkpoint.layout_change import LayoutError
+from speedups.checkpoint.loading import load_checkpoint, load_contents
+from speedups.checkpoint.saving import write_checkpoint
+from speedups.checkpoint.sharded import plain_values_of_directory
+from speedups.checkpoint.stop_signal import EXIT_CODE, StopOnSignal
+from speedups.errors import SpeedupsError, SpeedupsWarning
+
+__all__ = ["RunDirectory"]
+
+_NAME = re.compile(r"ckpt-(\d+)(\.pt)?$")
+
+
+class RunDirectory:
+    """Save a run periodically into ``path``, keep the last ``keep``, resume from the newest complete one.
+
+    Build it on every rank, call :meth:`resume` with the run's objects once (before the loop, as
+    ``load_checkpoint``), then :meth:`after_step` after every micro-step, on every rank. It saves at the
+    first window boundary after every ``every_updates`` optimizer steps and/or ``every_minutes`` minutes (the
+    clock is agreed by all ranks), keeps the ``keep`` newest checkpoints (an older one is deleted only once
+    a newer one is complete), and on one of ``stop_on``'s signals saves at the micro-step every rank agrees
+    on (mid-window included) and exits with ``exit_code`` (see :class:`StopOnSignal`). :meth:`resume` loads
+    the newest checkpoint that reads whole; a damaged or cut one is skipped with a warning naming it, and
+    an empty or new directory starts the run afresh (``{}``).
+
+    Sync points: per call, none but ``StopOnSignal``'s (an asynchronous all-reduce every ~0.5 s across
+    ranks); a save is ``save_checkpoint``'s; :meth:`resume` gathers every rank's choice once.
+
+    Args:
+        path: the run's directory (made if missing).
+        every_updates: save every this many optimizer steps (of the ``@accumulate`` step given to
+            :meth:`resume`; without one, every this many calls); None: not by updates.
+        every_minutes: save every this many minutes (at the next window boundary); None: not by time.
+        keep: checkpoints kept (>= 1).
+        stop_on: the signals that stop the run (``StopOnSignal``'s ``signals``), or None.
+        requeue, exit_code: as :class:`StopOnSignal`.
+        background: write checkpoints in a background thread (``save_checkpoint(background=True)``).
+
+    Raises:
+        TypeError, ValueError: a bad argument (named); ``path`` is a file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        every_updates: int | None = None,
+        every_minutes: float | None = None,
+        keep: int = 3,
+        stop_on: Iterable[str | int] | None = ("SIGTERM", "SIGUSR1"),
+        requeue: bool | Literal["auto"] = False,
+        exit_code: int = EXIT_CODE,
+        background: bool = False,
+    ) -> None:
+        said = (
+            f"RunDirectory({short(path)}, every_updates={every_updates!r}, every_minutes={every_minutes!r}, "
+            f"keep={keep!r})"
+        )
+        self.path = check_path("RunDirectory", path)
+        with validate.arguments(said):
+            validate.integer(every_updates, "every_updates", minimum=1, none_ok=True, example="100")
+            if every_minutes is not None:
+                validate.real(every_minutes, "every_minutes", positive=True, example="30")
+            validate.integer(keep, "keep", minimum=1, example="3")
+            validate.flag(background, "background")
+            if self.path.exists() and not self.path.is_dir():
+                raise ValueError(f"path={str(self.path)!r} is a file; pass a directory for the run.")
+        self.every_updates, self.keep, self.background = every_updates, keep, background
+        self.every_s = None if every_minutes is None else 60.0 * float(every_minutes)
+        self.stop = None if stop_on is None else StopOnSignal(stop_on, requeue=requeue, exit_code=exit_code)
+        self._agreement = None if self.stop is not None or self.every_s is None else Agreement(1)
+        self._objects: dict[str, Any] | None = None
+        self._sharded = False  # an FSDP2 model is among the objects: checkpoints are directories
+        self._step: Any = None  # the @accumulate step among the objects, if any
+        self._calls = 0
+        self._saved_updates = 0  # updates at the last save
+        self._clock = time.monotonic()  # when the last save was made (or the run started)
+        self._time_due = False  # the clock said "save" on some rank: save at the next boundary
+        self._next = 0  # the number of the next checkpoint
+        self.latest: Path | None = None
+        """The newest complete checkpoint this run wrote or resumed from (None before)."""
+
+    # ------------------------------------------------------------------------------------------ resume
+    def resume(self, *unnamed: Any, **state: Any) -> dict[str, Any]:
+        """Remember the run's objects (saved at every checkpoint) and load the newest complete checkpoint.
+
+        Call it once, on every rank, after building everything and before the loop iterates the loader.
+
+        Returns:
+            The plain values saved with it (``{"epoch": 3}``), or ``{}`` when there is none (a new run).
+
+        Raises:
+            SpeedupsError: a checkpoint that reads whole does not fit the objects (``load_checkpoint``'s
+                checks); the ranks do not find the same newest checkpoint.
+        """
+        refuse_positional("RunDirectory.resume", unnamed)
+        objects, plain = split_state("RunDirectory.resume", state)
+        if plain:
+            raise TypeError(
+                f"RunDirectory.resume({', '.join(f'{k}=...' for k in plain)}): plain values are saved by "
+                f"after_step(...) and returned here: values = run.resume(model=model, ...)."
+            )
+        fsdp = fsdp_type()
+        if self.background and fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+            raise ValueError(
+                f"RunDirectory({str(self.path)!r}, background=True): an FSDP2 model is saved by "
+                f"torch.distributed.checkpoint, in the foreground. Pass background=False."
+            )
+        self._objects = objects
+        self._sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+        self._step = next((o for o in objects.values() if _is_step(o)), None)
+        if env.rank() == 0:
+            self.path.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(self.path)
+        found = self._numbers()
+        self._next = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
+        values = self._load_newest(sorted(found, reverse=True), objects)
+        self._saved_updates = self._updates()
+        self._clock = time.monotonic()
+        return values
+
+    def _numbers(self) -> list[int]:
+        if not self.path.is_dir():
+            return []
+        return [int(m.group(1)) for p in self.path.iterdir() if (m := _NAME.fullmatch(p.name))]
+
+    def _file(self, number: int) -> Path:
+        return self.path / (f"ckpt-{number:06d}" if self._sharded else f"ckpt-{number:06d}.pt")
+
+    def _load_newest(self, numbers: list[int], objects: dict[str, Any]) -> dict[str, Any]:
+        """Load the newest checkpoint that reads whole and can continue on this layout; ``{}`` if none.
+
+        Every rank tries the same files in the same order (the checks are the same everywhere), and the ranks
+        then compare what they loaded (one all-gather).
+
+        Raises:
+            SpeedupsError: a checkpoint that reads whole does not fit the objects; the ranks loaded different
+                checkpoints (the directory is not one filesystem every rank sees).
+        """
+        chosen, values = None, {}
+        for number in numbers:
+            path = self._file(number)
+            said = f"load_checkpoint({str(path)!r})"
+            try:  # what cannot be read whole is skipped ...
+                contents = None if path.is_dir() else file_format.read(path, said)
+                if contents is None:  # FSDP2: complete once renamed into place
+                    plain_values_of_directory(path)
+            except (SpeedupsError, OSError) as err:
+                self._skip(path, f"it cannot be read whole ({err})")
+                continue
+            try:  # ... and so is what cannot continue on this layout; a checkpoint that does not fit raises
+                if contents is None:
+                    values = load_checkpoint(path, **objects)  # collective: every rank reaches it alike
+                else:
+                    values = load_contents(said, contents, objects, depth=3)
+            except LayoutError as err:
+                self._skip(path, f"it cannot continue on this layout: {err}")
+                continue
+            chosen = number
+            break
+        every = _gathered(-1 if chosen is None else chosen)
+        if len(set(every)) > 1:
+            raise SpeedupsError(
+                f"RunDirectory({str(self.path)!r}).resume: the ranks resumed from different checkpoints "
+                f"({dict(enumerate(every))}, -1: none): the directory must be one filesystem every rank sees."
+            )
+        if chosen is not None:
+            self.latest = self._file(chosen)
+        return values
+
+    def _skip(self, path: Path, why: str) -> None:
+        if env.rank() == 0:
+            warnings.warn(
+                f"RunDirectory.resume: skipped {str(path)!r}: {why}; trying the checkpoint before it.",
+                SpeedupsWarning,
+                stacklevel=4,
+            )
+
+    # ------------------------------------------------------------------------------------------- steps
+    def after_step(self, **values: Any) -> None:
+        """Call after every micro-step, on every rank: save when due; on a stop signal, save and exit.
+
+        ``values`` are plain values saved with the checkpoint and returned by :meth:`resume` (``epoch=3``).
+
+        Raises:
+            SpeedupsError: :meth:`resume` was not called first; a save failed (on every rank).
+            SystemExit: after the stop's checkpoint (``exit_code``).
+        """
+        if self._objects is None:
+            raise SpeedupsError(
+                "RunDirectory.after_step(): call run.resume(model=..., optimizer=..., ...) first, once, "
+                "before the loop: it names the objects every checkpoint saves."
+            )
+        self._calls += 1
+        step = self._step
+        boundary = step is None or step.pending == 0
+        clock = self.every_s is not None and time.monotonic() - self._clock >= self.every_s
+        if self.stop is not None:
+            stop, agreed = self.stop.check(clock)
+        else:
+            stop, agreed = False, False
+            if self._agreement is not None:
+                flags = self._agreement.poll((1.0 if clock else 0.0,))
+                agreed = flags is not None and flags[0] > 0
+        self._time_due = self._time_due or agreed
+        if stop:
+            self.save(**values)
+            assert self.stop is not None
+            self.stop.exit()
+        updates_due = (
+            self.every_updates is not None and self._updates() - self._saved_updates >= self.every_updates
+        )
+        if boundary and (updates_due or self._time_due):
+            self.save(**values)
+
+    def save(self, **values: Any) -> Path:
+        """Save a checkpoint now (every rank; ``save_checkpoint``'s sync points); return its path.
+
+        The oldest checkpoints beyond ``keep`` are deleted once this one is complete.
+        """
+        if self._objects is None:
+            raise SpeedupsError("RunDirectory.save(): call run.resume(...) first, once, before the loop.")
+        _, plain = split_state("RunDirectory.save", values, allow_empty=True)
+        number, self._next = self._next, self._next + 1
+        path = self._file(number)
+        keep_from = number - self.keep + 1
+        write_checkpoint(
+            path, self._objects, plain, background=self.background, then=lambda: self._prune(keep_from)
+        )
+        self.latest = path
+        self._saved_updates = self._updates()
+        self._clock = time.monotonic()
+        self._time_due = False
+        return path
+
+    def _prune(self, keep_from: int) -> None:
+        """Delete the checkpoints numbered below ``keep_from`` (rank 0, once a newer one is complete)."""
+        for number in self._numbers():
+            if number < keep_from:
+                old = self._file(number)
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
+
+    def _updates(self) -> int:
+        return int(self._step.num_updates) if self._step is not None else self._calls
+
+    def close(self) -> None:
+        """Wait for a background write and put back the signal handlers (the run ended without a stop)."""
+        writes.wait()
+        error = writes.take_error()
+        if self.stop is not None:
+            self.stop.close()
+        if self._agreement is not None:
+            self._agreement.close()
+        if error:
+            raise SpeedupsError(f"RunDirectory.close(): the last checkpoint could not be written ({error}).")
+
+    def __enter__(self) -> RunDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not isinstance(exc[1], SystemExit):
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"RunDirectory({str(self.path)!r}, every_updates={self.every_updates}, keep={self.keep}, "
+            f"latest={None if self.latest is None else self.latest.name!r})"
+        )
+
+
+def _is_step(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("every", "pending", "num_updates")) and callable(obj)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporary files of writes a crash cut short (``save_checkpoint`` renames only complete ones)."""
+    for p in path.iterdir():
+        if p.name.startswith(".ckpt-") and (p.name.endswith(".tmp") or p.name.endswith(".partial")):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _gathered(value: int) -> list[int]:
+    """Every rank's ``value`` (one all-gather; ``[value]`` in one process)."""
+    if not collective():
+        return [value]
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    with env.on_comm_device():
+        torch.distributed.all_gather_object(every, value)
+    return every
