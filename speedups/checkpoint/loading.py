@@ -136,7 +136,7 @@ def load_contents(
                           classes.get(entry_of[name]), strict=strict, depth=depth)
         for name, obj in objects.items()
     }  # fmt: skip
-    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks, depth + 3)  # checked before any change
+    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks, depth + 2)  # checked before any change
     _load_all(objects, ready, strict)
     if rng is not None:
         set_rng_states(rng)

@@ -104,7 +104,8 @@ def rng_of_this_rank(
         return file_format.checked_rng(every[rank], said)
     if rank == 0:
         warnings.warn(
-            f"load_checkpoint: saved with {len(every)} processes, resumed on {world}; each rank keeps its "
+            f"load_checkpoint: saved with {len(every)} process{'es' if len(every) > 1 else ''}, resumed on "
+            f"{world}; each rank keeps its "
             f"current RNG states, so randomness drawn in the training processes (dropout) follows the new "
             f"layout; everything else was restored.",
             SpeedupsWarning,

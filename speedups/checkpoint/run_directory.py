@@ -181,7 +181,7 @@ class RunDirectory:
                 else:
                     values = load_contents(said, contents, objects, depth=3)
             except LayoutError as err:
-                self._skip(path, f"it cannot continue on this layout: {err}")
+                self._skip(path, f"it cannot continue on this layout ({str(err).rstrip('.')})")
                 continue
             chosen = number
             break
