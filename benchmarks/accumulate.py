@@ -2,8 +2,10 @@
 
 A tiny MLP (64-64-10), micro-batches of 32, one CPU thread, accumulation over 4 micro-batches: the time per
 epoch of a few hundred micro-steps is dominated by per-step overhead, which is what a wrapper adds. Variants,
-timed round-robin in the same run: the hand-written loop, the same loop with ``@accumulate``, and, when they
-are installed, Accelerate's ``accumulate`` and Lightning Fabric's ``no_backward_sync``.
+timed round-robin in the same run: the hand-written loop, the same loop with ``@accumulate`` (also with an
+``on_update`` hook, with preemption watching (``StopOnSignal.requested()`` per call) and with a
+``RunDirectory.after_step()`` per call), and, when they are installed, Accelerate's ``accumulate`` and
+Lightning Fabric's ``no_backward_sync``.
 
     python -m benchmarks.accumulate            # about a minute
     python -m benchmarks.accumulate --quick    # a few seconds, for the smoke test
@@ -11,6 +13,7 @@ are installed, Accelerate's ``accumulate`` and Lightning Fabric's ``no_backward_
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -19,6 +22,7 @@ from torch import nn
 
 from benchmarks._timing import RESULTS, compare, installed_peers, ratio_table, save_chart, tiny_mlp_run
 from speedups.accumulation import UpdateRecord, accumulate
+from speedups.checkpoint import RunDirectory, StopOnSignal
 
 EVERY = 4
 
@@ -44,8 +48,13 @@ def hand_written(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[
 
 
 def with_accumulate(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], skip_nonfinite: bool = False, hook: bool = False
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    skip_nonfinite: bool = False,
+    hook: bool = False,
+    watch: str = "",
 ) -> Callable[[], None]:
+    """``watch``: "stop" calls ``StopOnSignal.requested()`` after every micro-step (preemption watching),
+    "run" calls ``RunDirectory.after_step()`` (which also checks whether a periodic save is due)."""
     model, opt = _setup()
 
     @accumulate(EVERY, opt, skip_nonfinite=skip_nonfinite)
@@ -59,6 +68,27 @@ def with_accumulate(
             latest[:] = [record]
 
         train_step.on_update(keep)
+
+    if watch == "stop":
+        stop = StopOnSignal()
+
+        def watched() -> None:
+            for x, y in batches:
+                train_step(x, y)
+                if stop.requested():
+                    break
+
+        return watched
+    if watch == "run":
+        run = RunDirectory(tempfile.mkdtemp(), every_updates=10**9)  # checks every call, never saves here
+        run.resume(model=model, optimizer=opt, step=train_step)
+
+        def with_run() -> None:
+            for x, y in batches:
+                train_step(x, y)
+                run.after_step()
+
+        return with_run
 
     def epoch() -> None:
         for x, y in batches:
@@ -111,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "@accumulate": with_accumulate(batches),
         "@accumulate(skip_nonfinite=True)": with_accumulate(batches, skip_nonfinite=True),
         "@accumulate + on_update hook": with_accumulate(batches, hook=True),
+        "@accumulate + StopOnSignal watching": with_accumulate(batches, watch="stop"),
+        "@accumulate + RunDirectory.after_step": with_accumulate(batches, watch="run"),
     }
     found, skipped = installed_peers(
         [("accelerate", "accelerate", with_accelerate), ("fabric", "lightning_fabric", with_fabric)]
@@ -126,6 +158,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if skipped:
         print("skipped: " + ", ".join(skipped))
     ratios = {name: s / seconds["hand-written"] for name, s in seconds.items()}
+    alone = seconds["@accumulate"]
+    print(
+        f"preemption watching: StopOnSignal.requested() per call "
+        f"{seconds['@accumulate + StopOnSignal watching'] / alone:.3f}x of @accumulate alone; "
+        f"RunDirectory.after_step() {seconds['@accumulate + RunDirectory.after_step'] / alone:.3f}x"
+    )
     if not quick:
         print(f"chart: {save_chart(RESULTS / 'accumulate.png', title.split(':')[0], ratios)}")
     return ratios

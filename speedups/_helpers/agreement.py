@@ -27,7 +27,8 @@ MAX_INTERVAL = 100_000
 class Agreement:
     """An agreement channel over ``flags`` values per rank (see the module docstring).
 
-    Construct it on every rank at the same point (it makes a process group: a collective).
+    Its first :meth:`poll` (or :attr:`alone`) makes its process group when a process group of several ranks
+    runs (a collective: every rank polls from the same call on), so it may be built before the process group.
 
     Args:
         flags: how many values each rank contributes per round.
@@ -38,8 +39,7 @@ class Agreement:
         self.flags = flags
         self.latency_s = latency_s
         self.group: Any = None
-        if env.pg_ready() and torch.distributed.get_world_size() > 1:
-            self.group = torch.distributed.new_group(backend="gloo")  # collective; CPU tensors
+        self._alone: bool | None = None  # decided at the first poll
         self.calls = 0
         self.next_round = 1  # the call at which the round in flight is read and the next one starts
         self.work: Any = None
@@ -48,13 +48,18 @@ class Agreement:
 
     @property
     def alone(self) -> bool:
-        """Whether this process is the whole job (its flags need no agreement)."""
-        return self.group is None
+        """Whether this process is the whole job (its flags need no agreement); decided once, at the first
+        read, when the process group (if any) runs: then this makes the agreement's own group."""
+        if self._alone is None:
+            self._alone = not (env.pg_ready() and torch.distributed.get_world_size() > 1)
+            if not self._alone:
+                self.group = torch.distributed.new_group(backend="gloo")  # collective; CPU tensors
+        return self._alone
 
     def poll(self, flags: Sequence[float]) -> list[float] | None:
         """Count one call; return the flags agreed over every rank (the max of each) when a round is read
         at this call (the same call on every rank), else None. Alone: ``flags`` at every call."""
-        if self.group is None:
+        if self.alone:
             return list(flags)
         self.calls += 1
         if self.calls < self.next_round:

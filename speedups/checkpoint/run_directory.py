@@ -219,25 +219,22 @@ class RunDirectory:
                 "before the loop: it names the objects every checkpoint saves."
             )
         self._calls += 1
-        step = self._step
-        boundary = step is None or step.pending == 0
         clock = self.every_s is not None and time.monotonic() - self._clock >= self.every_s
         if self.stop is not None:
             stop, agreed = self.stop.check(clock)
+            if stop:
+                self.save(**values)
+                self.stop.exit()
         else:
-            stop, agreed = False, False
+            agreed = False
             if self._agreement is not None:
                 flags = self._agreement.poll((1.0 if clock else 0.0,))
                 agreed = flags is not None and flags[0] > 0
         self._time_due = self._time_due or agreed
-        if stop:
-            self.save(**values)
-            assert self.stop is not None
-            self.stop.exit()
-        updates_due = (
+        due = self._time_due or (
             self.every_updates is not None and self._updates() - self._saved_updates >= self.every_updates
         )
-        if boundary and (updates_due or self._time_due):
+        if due and (self._step is None or self._step.pending == 0):  # saves wait for a window boundary
             self.save(**values)
 
     def save(self, **values: Any) -> Path:

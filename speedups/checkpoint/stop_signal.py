@@ -73,7 +73,9 @@ class StopOnSignal:
     once any process of the job got one of the ``signals`` (SLURM and torchrun signal every process; one
     rank's signal is enough). Save the checkpoint there (``save_checkpoint`` saves mid-window too), then call
     :meth:`exit`. Loader workers of ``fast_loader``/``distributed()`` ignore these signals, so they still
-    serve the save. Made on every rank at the same point (a collective: its own gloo process group).
+    serve the save. Made on every rank, before or after the process group starts; the first
+    :meth:`requested` makes its own gloo process group (a collective: every rank calls it from the first
+    micro-step on).
     Handlers are installed in the main thread at construction; :meth:`close` (or leaving a ``with`` block)
     puts the previous ones back. Signals that arrive while already stopping change nothing.
 
@@ -133,7 +135,7 @@ class StopOnSignal:
         self.stopping = False
         """Whether every rank agreed to stop (:meth:`requested` returned True)."""
         self._agreement = Agreement(2, latency)  # [a signal came, a save is due (a run directory's)]
-        self._alone = self._agreement.alone
+        self._alone: bool | None = None  # this process is the whole job (decided at the first call)
         self._previous: dict[int, Any] = {}
         for sig in self.signals:
             self._previous[int(sig)] = signal.signal(sig, self._handle)
@@ -153,6 +155,8 @@ class StopOnSignal:
 
         Call it once per micro-step on every rank (the calls are counted to agree on one of them).
         """
+        if self._alone is None:
+            self._alone = self._agreement.alone
         if self._alone:
             self.stopping = self.stopping or self.received is not None
             return self.stopping
@@ -166,6 +170,11 @@ class StopOnSignal:
         """
         if self.stopping:
             return True, due
+        if self._alone is None:
+            self._alone = self._agreement.alone
+        if self._alone:
+            self.stopping = self.received is not None
+            return self.stopping, due
         agreed = self._agreement.poll((0.0 if self.received is None else 1.0, 1.0 if due else 0.0))
         if agreed is None:
             return False, False

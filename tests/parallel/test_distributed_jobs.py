@@ -90,6 +90,9 @@ def test_torchrun_two_processes_match_one_process_and_the_checks_hold(tmp_path: 
     assert all(r["fsdp_changed"] and r["fsdp_restored"] and r["fsdp_extra"] == {"step": 1} for r in results)
     assert all(r["fsdp_values"] == {"step": 1} for r in results)  # checkpoint_values reads a directory too
     assert (tmp_path / "fsdp_ckpt" / ".metadata").exists()
+    # each rank's own tracker came back to it; the directory was written aside and renamed into place
+    assert [r["fsdp_own_tracker"] for r in results] == [10.0, 11.0]
+    assert all(r["fsdp_leftovers"] == [] for r in results)
 
 
 def test_two_nodes_on_localhost_match_one_process(tmp_path: Path) -> None:

@@ -114,11 +114,17 @@ if args.checks:
             return [p.full_tensor().detach().clone() for p in sharded.parameters()]
 
         train_step()
-        save_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, step=1)
+        own = LossTracker()  # a per-rank object: each rank's own sum goes into the directory and comes back
+        own.update(float(10 + rank))
+        save_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, tracker=own, step=0)
+        save_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, tracker=own, step=1)  # over it
         saved = full()
         train_step()
         changed = full()
-        extra = load_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt)
+        fresh = LossTracker()
+        extra = load_checkpoint(out / "fsdp_ckpt", model=sharded, optimizer=opt, tracker=fresh)
+        result["fsdp_own_tracker"] = fresh.compute()
+        result["fsdp_leftovers"] = sorted(p.name for p in out.iterdir() if p.name.startswith(".fsdp_ckpt"))
         restored = full()
         result["fsdp_changed"] = any(not torch.equal(a, b) for a, b in zip(saved, changed, strict=True))
         result["fsdp_restored"] = all(torch.equal(a, b) for a, b in zip(saved, restored, strict=True))
