@@ -145,10 +145,12 @@ def states_for_this_layout(
             continue
         states = _saved_states(contents, entry)
         merge = getattr(target, "_merge_rank_states", None)
-        if callable(merge):
-            out[name] = merge(states, changes.get(name, change))
-        elif saved_world == world:
+        if name in changes or name == loader_name:  # placed in this layout's windows and batches
+            out[name] = merge(states, changes.get(name, change))  # type: ignore[misc]
+        elif saved_world == world:  # the same ranks: each its own state
             out[name] = state_of_this_rank(entry, contents.entries[entry], contents.per_rank)
+        elif callable(merge):
+            out[name] = merge(states, change)
         elif all(_same(states[0], s) for s in states[1:]):
             out[name] = states[0]
         else:
