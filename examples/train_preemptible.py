@@ -102,7 +102,9 @@ def build(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--run-dir", type=Path, required=True, help="checkpoints go here; resumed from here")
     parser.add_argument("--updates", type=int, default=48, help="optimizer steps of the whole run")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-steps per optimizer step")

@@ -3,9 +3,11 @@
 Each rank calls :meth:`Agreement.poll` once per micro-step with its own flags (a signal came; a save is due).
 Every ``interval`` calls, all ranks launch one asynchronous all-reduce (max) of their flags on a gloo process
 group of their own (CPU tensors: no device sync, whatever the main backend), and read it at the next such
-call, long after it finished. The interval is chosen from the slowest rank's time per call, carried by the
-same all-reduce, so that a flag is seen about ``2 * latency_s`` after it is raised; every rank computes it
-from the agreed values, so every rank reads at the same call. Alone, the flags are their own agreement.
+call, long after it finished. The interval is ``latency_s`` divided by the slowest single call any rank saw
+in the last interval (carried by the same all-reduce), so a flag is seen about ``2 * latency_s`` after it is
+raised even when calls come unevenly (a loader that hands out batches in bursts); it at most doubles from one
+round to the next, so a run that slows down is caught up with quickly. Every rank computes it from the
+agreed values, so every rank reads at the same call. Alone, the flags are their own agreement.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class Agreement:
         self._alone: bool | None = None  # decided at the first poll
         self.calls = 0
         self.next_round = 1  # the call at which the round in flight is read and the next one starts
+        self.interval = 1  # calls between two rounds
         self.work: Any = None
         self.buffer: torch.Tensor | None = None
-        self.started = (0.0, 0)  # (time, calls) when the round in flight started
+        self.last_call = 0.0  # when the last call came (monotonic seconds)
+        self.slowest = 0.0  # the longest time between two calls since the round in flight started
 
     @property
     def alone(self) -> bool:
@@ -61,24 +65,26 @@ class Agreement:
         at this call (the same call on every rank), else None. Alone: ``flags`` at every call."""
         if self.alone:
             return list(flags)
+        now = time.monotonic()  # one clock read per call: the gaps between calls set the interval
+        if self.last_call and now - self.last_call > self.slowest:
+            self.slowest = now - self.last_call
+        self.last_call = now
         self.calls += 1
         if self.calls < self.next_round:
             return None
-        now = time.monotonic()
         agreed = None
         if self.work is not None and self.buffer is not None:
             self.work.wait()  # started an interval ago on every rank: done by now
             agreed = self.buffer.tolist()
-        then, calls = self.started
-        per_call = (now - then) / (self.calls - calls) if calls else 0.0
-        self.buffer = torch.tensor([*flags, per_call], dtype=torch.float64)
+        self.buffer = torch.tensor([*flags, self.slowest], dtype=torch.float64)
         self.work = torch.distributed.all_reduce(
             self.buffer, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True
         )
-        self.started = (now, self.calls)
+        self.slowest = 0.0
         slowest = agreed[-1] if agreed is not None else 0.0  # the same on every rank
-        interval = int(self.latency_s / slowest) if slowest > 0 else 1
-        self.next_round = self.calls + min(max(interval, 1), MAX_INTERVAL)
+        wanted = int(self.latency_s / slowest) if slowest > 0 else 1
+        self.interval = min(max(wanted, 1), 2 * self.interval, MAX_INTERVAL)
+        self.next_round = self.calls + self.interval
         return None if agreed is None else agreed[:-1]
 
     def close(self) -> None:

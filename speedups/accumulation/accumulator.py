@@ -124,6 +124,7 @@ class Accumulator:
         self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
         self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
         self.warned_zero_grad = False
+        self.feed: dict[str, int] | None = None  # the layout of the DistributedLoader epoch() iterates
         # The optimizers' parameters (and in the norm's order), made again only when a param group is added.
         self._params: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
@@ -522,6 +523,9 @@ class Accumulator:
         """
         if self.pending:
             self._check_continues(batches)
+        if isinstance(batches, DistributedLoader):  # which loader feeds this step (a resume on another
+            layout = batches.state_dict()  # number of processes checks the global batch with it)
+            self.feed = {k: layout[k] for k in ("batch_size", "samples", "world_size")}
         self.resumed_in_epoch = False
         self.in_epoch = True
         size = _length(batches) if self.sync.kind is SyncKind.FSDP2 else None
@@ -584,6 +588,7 @@ class Accumulator:
             "ref_n": self.ref_n.clone() if isinstance(self.ref_n, torch.Tensor) else self.ref_n,
             "in_epoch": bool(self.in_epoch and self.pending),  # the open window belongs to a running epoch()
             "log": [(x.clone(), n.clone() if isinstance(n, torch.Tensor) else n) for x, n in self.window_log],
+            "feed": self.feed,
         }
 
     def check_state(self, state: Any) -> None:
@@ -620,6 +625,7 @@ class Accumulator:
         self.ref_n = state.get("ref_n", 1.0)
         self.resumed_in_epoch = bool(state.get("in_epoch", False)) and self.pending > 0
         self.window_log = list(state.get("log", []))
+        self.feed = state.get("feed")
         self.sentinel = None
         self.sync.restart()
 
@@ -667,6 +673,7 @@ class Accumulator:
             "losses": [x for s in states for x in s.get("losses", [])] if rank == 0 else [],
             "ref_n": ref,
             "log": _merged_log([s.get("log", []) for s in states], pending, items) if pending else [],
+            "feed": None,  # epoch(loader) says again which loader feeds it, in this layout
         }
 
     def _handed_over(self) -> dict[str, Any] | None:

@@ -5,13 +5,15 @@
 is being written). One write runs at a time, in a non-daemon thread (the interpreter waits for it at exit):
 the next save, and any load, waits for the one before. The write itself is the atomic one of
 :func:`~speedups.checkpoint.file_format.write`, so the previous checkpoint stays intact until the new one is
-complete. A write that failed is reported by the next ``save_checkpoint`` (on every rank) or :func:`wait`.
+complete. A write that failed is said on stderr at once and raised by the next ``save_checkpoint`` (on every
+rank), ``RunDirectory.close`` or ``StopOnSignal.exit``.
 
 This is the process's one writer: the module holds it, as the process holds its files.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -69,26 +71,20 @@ def host_copy(payload: Any) -> Any:
     return copied
 
 
-def start(path: Path, payload: dict[str, Any], then: Callable[[], None] | None = None) -> str:
-    """Wait for the write before, then write ``payload`` to ``path`` in a thread.
+def start(path: Path, payload: dict[str, Any], then: Callable[[], None] | None = None) -> None:
+    """Write ``payload`` to ``path`` in a thread, after the write before (call :func:`take_error` first).
 
     ``payload`` must be this module's :func:`host_copy`, made after :func:`wait` (so its buffers are free).
-
     ``then`` runs in the thread after a successful write (a run directory drops its oldest checkpoints).
-
-    Returns:
-        The error of the write before, if it failed ("" otherwise): the caller reports it.
     """
     global _thread
     wait()
-    previous = take_error()
     thread = threading.Thread(
         target=_write, args=(path, payload, then), name=f"speedups checkpoint writer ({path.name})"
     )
     with _lock:
         _thread = thread
     thread.start()
-    return previous
 
 
 def wait() -> None:
@@ -113,6 +109,9 @@ def _write(path: Path, payload: dict[str, Any], then: Callable[[], None] | None)
         file_format.write(path, payload)
         if then is not None:
             then()
-    except Exception as err:  # reported by the next save or wait, on the loop's thread
+    except Exception as err:  # reported by the next save or wait, on the loop's thread; said now, too, in
+        message = f"{type(err).__name__}: {err} (writing {str(path)!r} in the background)"  # case none comes
         with _lock:
-            _error = f"{type(err).__name__}: {err} (writing {str(path)!r} in the background)"
+            _error = message
+        sys.stderr.write(f"speedups: a checkpoint could not be written: {message}\n")
+        sys.stderr.flush()

@@ -73,6 +73,10 @@ def split_state(
             plain[name] = value
         else:
             fix = f"Pass its state as a plain value instead, e.g. {name}={name}.get_state() for a Generator."
+            if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a NumPy number or array
+                fix = f"Pass it as Python data: {name}={name}.item() (a number) or {name}.tolist() (arrays)."
+            elif isinstance(value, dict):
+                fix = "Dicts keep string keys (as JSON), e.g. {'1': ...} for {1: ...}."
             if isinstance(value, DataLoader):
                 fix = (
                     f"A plain DataLoader has no state (no position to resume from): build it once, before "

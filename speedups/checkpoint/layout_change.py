@@ -117,7 +117,8 @@ def states_for_this_layout(
     targets = {name: saved_object(obj) for name, obj in objects.items()}
     loaders = {n: t for n, t in targets.items() if isinstance(t, DistributedLoader)}
     steps = {n: t for n, t in targets.items() if _is_step(t)}
-    old, new, position, loader_name = _epochs(said, contents, loaders, entry_of, saved_world)
+    feeds = [_saved_states(contents, entry_of[n])[0].get("feed") for n in steps]
+    old, new, position, loader_name = _epochs(said, contents, loaders, entry_of, saved_world, feeds)
     change, consumed = LayoutChange(saved_world, world, rank), None
     if loader_name is not None:
         consumed = old.consumed(position)
@@ -131,11 +132,11 @@ def states_for_this_layout(
     }
     if not steps and loader_name is not None and position and old.micro != new.micro:
         raise LayoutError(
-            f"{said}: loader {loader_name!r} was saved mid-epoch on {old.describe(None)}, and here "
-            f"{new.describe(None)}: without the step, each batch here would be an optimizer step of "
-            f"another size. Pass the @accumulate step too (step=train_step) with "
-            f"accumulate({_fit(old.micro, new.micro) or 'N'}, ...), or a batch size that keeps {old.micro} "
-            f"samples per step."
+            f"{said}: loader {loader_name!r} was saved mid-epoch on {_procs(old.world)} x batch {old.batch} "
+            f"({old.micro} samples per micro-step), and here it hands out {new.micro} per micro-step "
+            f"({_procs(new.world)} x batch {new.batch}): without the @accumulate step saved with it, the "
+            f"samples per optimizer step cannot be checked nor its window placed. Pass it too: "
+            f"load_checkpoint(path, ..., loader=loader, step=train_step)."
         )
     out: dict[str, Any] = {}
     for name, target in targets.items():
@@ -145,13 +146,18 @@ def states_for_this_layout(
             continue
         states = _saved_states(contents, entry)
         merge = getattr(target, "_merge_rank_states", None)
-        if name in changes or name == loader_name:  # placed in this layout's windows and batches
-            out[name] = merge(states, changes.get(name, change))  # type: ignore[misc]
-        elif saved_world == world:  # the same ranks: each its own state
-            out[name] = state_of_this_rank(entry, contents.entries[entry], contents.per_rank)
-        elif callable(merge):
-            out[name] = merge(states, change)
-        elif all(_same(states[0], s) for s in states[1:]):
+        try:
+            if name in changes or name == loader_name:  # placed in this layout's windows and batches
+                out[name] = merge(states, changes.get(name, change))  # type: ignore[misc]
+            elif saved_world == world:  # the same ranks: each its own state
+                out[name] = state_of_this_rank(entry, contents.entries[entry], contents.per_rank)
+            elif callable(merge):
+                out[name] = merge(states, change)
+        except (TypeError, ValueError) as err:  # a state the object refuses, named as load_checkpoint does
+            raise type(err)(f"{said}: {name}: {err}") from err
+        if name in out:
+            continue
+        if all(_same(states[0], s) for s in states[1:]):
             out[name] = states[0]
         else:
             raise LayoutError(
@@ -164,25 +170,18 @@ def states_for_this_layout(
 
 def _epochs(
     said: str, contents: Any, loaders: Mapping[str, DistributedLoader], entry_of: Mapping[str, str],
-    saved_world: int,
+    saved_world: int, feeds: list[Any],
 ) -> tuple[_Epoch, _Epoch, int, str | None]:  # fmt: skip
-    """Both layouts' epochs as the (one) training loader shows them, its saved position, and its name.
+    """Both layouts' epochs as the training loader shows them, its saved position, and its name.
 
-    Without a loader, micro-steps are taken to have the same batch on both layouts (one sample per "batch").
+    The training loader is the only one passed, else the one saved mid-epoch, else the one the steps'
+    ``epoch()`` iterated (``feeds``: what each step recorded of it). Without a loader, micro-steps are taken
+    to have the same batch on both layouts (one sample per "batch").
     """
     world = env.world_size()
     if not loaders:
         return _Epoch(saved_world, 1, 1, False, False), _Epoch(world, 1, 1, False, False), 0, None
-    if len(loaders) > 1:
-        moving = [n for n in loaders if contents.entries[entry_of[n]].get("batches")]
-        if len(moving) > 1:
-            raise LayoutError(
-                f"{said}: {sorted(moving)} were all saved mid-epoch; on another layout only one loader (the "
-                f"training loader) can be placed. Resume on the same layout, or save at an epoch boundary."
-            )
-        name = moving[0] if moving else sorted(loaders)[0]
-    else:
-        name = next(iter(loaders))
+    name = _training_loader(said, contents, loaders, entry_of, feeds)
     loader = loaders[name]
     saved = contents.entries[entry_of[name]]
     here = loader.state_dict()
@@ -206,6 +205,41 @@ def _epochs(
             f"dataset size divisible by every world size x batch you use), or on {saved_world} processes."
         )
     return old, new, int(saved.get("batches", 0)), name
+
+
+def _training_loader(
+    said: str, contents: Any, loaders: Mapping[str, DistributedLoader], entry_of: Mapping[str, str],
+    feeds: list[Any],
+) -> str:  # fmt: skip
+    """The name of the loader that feeds the steps (see :func:`_epochs`).
+
+    Raises:
+        LayoutError: several loaders were saved mid-epoch, or several could be the training loader.
+    """
+    if len(loaders) == 1:
+        return next(iter(loaders))
+    moving = [n for n in loaders if contents.entries[entry_of[n]].get("batches")]
+    if len(moving) > 1:
+        raise LayoutError(
+            f"{said}: {sorted(moving)} were all saved mid-epoch; on another layout only one loader (the "
+            f"training loader) can be placed. Resume on the same layout, or save at an epoch boundary."
+        )
+    if moving:
+        return moving[0]
+    keys = ("batch_size", "samples", "world_size")
+    fed = [
+        n for n in loaders
+        if any(isinstance(f, Mapping) and all(f.get(k) == contents.entries[entry_of[n]].get(k) for k in keys)
+               for f in feeds)
+    ]  # fmt: skip
+    if len(fed) == 1 or (not feeds and loaders):
+        return fed[0] if fed else sorted(loaders)[0]  # no step: any loader at an epoch start will do
+    which = "several of them could be" if fed else "the checkpoint does not say (epoch(loader) records it)"
+    raise LayoutError(
+        f"{said}: {sorted(loaders)} were passed, and the step's global batch depends on the one it trains "
+        f"on, which {which}. Load the training loader with the step here, and the others by themselves: "
+        f"load_checkpoint(path, other_loader=other_loader)."
+    )
 
 
 def _new_batches(said: str, name: str, consumed: int, old: _Epoch, new: _Epoch) -> int:
@@ -246,9 +280,14 @@ def _place_step(
             + (f" with batch {new.batch}" if new.known_batch else "")
             + "; change the batch size or the number of processes."
         )  # fmt: skip
+        unknown = "" if new.known_batch else (
+            " (No loader was passed, so micro-batches are taken to be alike; if the batch size changed too, "
+            "pass loader=loader so the samples per optimizer step are checked.)"
+        )  # fmt: skip
         raise LayoutError(
             f"{said}: {name!r} was saved on {old.describe(every)}; this run has {new.describe(here)}: "
-            f"resuming would change the global batch, so the training. Keep {every * old.micro}: {fix}"
+            f"resuming would change the global batch, so the training. Keep {every * old.micro}: "
+            f"{fix}{unknown}"
         )
     if not items and consumed is not None and (old.used % old.micro or new.used % new.micro):
         raise LayoutError(
@@ -266,19 +305,27 @@ def _place_step(
             f"from a checkpoint at a boundary."
         )
     window = pending * old.micro  # samples of the open window so far, all ranks
-    at_tail = consumed is not None and consumed >= old.used and old.used % old.micro > 0
-    if pending and at_tail:  # the epoch's last, partial micro-step is in the window (items mode only)
+    at_end = consumed is not None and consumed >= old.used  # the window holds the epoch's last samples
+    if pending and at_end and old.used % old.micro:  # its last, partial micro-step (items mode only)
         window -= old.micro - old.used % old.micro
-    if window % new.micro and not (items and at_tail):
+    if window % new.micro and not (items and at_end):  # items: partial micro-steps weigh alike
         raise LayoutError(
             f"{said}: {name!r} was saved after {pending} of {every} micro-steps of a window ({window} "
             f"samples on {_procs(old.world)}), which is not a whole number of "
             f"this run's micro-steps ({new.micro} samples): resume on a layout whose micro-step divides "
             f"{window}, or from a checkpoint at a window boundary."
         )
+    pending_here = -(-window // new.micro)
+    if pending_here >= here:  # the epoch's short last window fills whole micro-steps here: it would be due
+        raise LayoutError(
+            f"{said}: {name!r} was saved after the last micro-step of an epoch, before its short window was "
+            f"applied; on this layout those {window} samples make {pending_here} micro-steps, a whole "
+            f"window, which a checkpoint cannot hold unapplied. Resume on {_procs(old.world)} x batch "
+            f"{old.batch}, or from a checkpoint saved after train_step.epoch(loader) ended."
+        )
     return LayoutChange(
         change.saved_world, change.world, change.rank, change.batches,
-        pending=-(-window // new.micro), micro_steps=round(micro * old.micro / new.micro),
+        pending=pending_here, micro_steps=round(micro * old.micro / new.micro),
     )  # fmt: skip
 
 

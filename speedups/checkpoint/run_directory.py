@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -25,12 +26,12 @@ from speedups._helpers.agreement import Agreement
 from speedups._helpers.validate import short
 from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
-from speedups.checkpoint.entries import check_path, collective, fsdp_type, refuse_positional, split_state
+from speedups.checkpoint.entries import collective, fsdp_type, refuse_positional, split_state
 from speedups.checkpoint.layout_change import LayoutError
 from speedups.checkpoint.loading import load_checkpoint, load_contents
 from speedups.checkpoint.saving import write_checkpoint
 from speedups.checkpoint.sharded import plain_values_of_directory
-from speedups.checkpoint.stop_signal import EXIT_CODE, StopOnSignal
+from speedups.checkpoint.stop_signal import EXIT_CODE, StopOnSignal, check_stop_arguments
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["RunDirectory"]
@@ -43,14 +44,15 @@ class RunDirectory:
 
     Build it on every rank, call :meth:`resume` with the run's objects once (before the loop, as
     ``load_checkpoint``), then :meth:`after_step` after every micro-step, on every rank. It saves at the
-    first window boundary after every ``every_updates`` optimizer steps and/or ``every_minutes`` minutes (the
-    clock is agreed by all ranks), keeps the ``keep`` newest checkpoints (an older one is deleted only once
-    a newer one is complete), and on one of ``stop_on``'s signals saves at the micro-step every rank agrees
-    on (mid-window included) and exits with ``exit_code`` (see :class:`StopOnSignal`). :meth:`resume` loads
-    the newest checkpoint that reads whole; a damaged or cut one is skipped with a warning naming it, and
-    an empty or new directory starts the run afresh (``{}``).
+    first window boundary at or after every multiple of ``every_updates`` optimizer steps (the same
+    multiples after a resume) and/or every ``every_minutes`` minutes (the clock agreed by all ranks), as
+    ``ckpt-<n>.pt`` (``n`` counts the saves), keeps the ``keep`` newest (an older one is deleted only once a
+    newer one is complete), and on one of ``stop_on``'s signals saves at the micro-step every rank agrees on
+    (mid-window included) and exits with ``exit_code`` (see :class:`StopOnSignal`). :meth:`resume` loads the
+    newest checkpoint that reads whole and can continue on this layout; a damaged or cut one is skipped
+    with a warning naming it, and an empty or new directory starts the run afresh (``{}``).
 
-    Sync points: per call, none but ``StopOnSignal``'s (an asynchronous all-reduce every ~0.5 s across
+    Sync points: per call, none but ``StopOnSignal``'s (an asynchronous all-reduce every ~0.2 s across
     ranks); a save is ``save_checkpoint``'s; :meth:`resume` gathers every rank's choice once.
 
     Args:
@@ -81,17 +83,25 @@ class RunDirectory:
     ) -> None:
         said = (
             f"RunDirectory({short(path)}, every_updates={every_updates!r}, every_minutes={every_minutes!r}, "
-            f"keep={keep!r})"
+            f"keep={keep!r}, stop_on={short(stop_on)})"
         )
-        self.path = check_path("RunDirectory", path)
         with validate.arguments(said):
+            self.path = _run_path(path)
             validate.integer(every_updates, "every_updates", minimum=1, none_ok=True, example="100")
             if every_minutes is not None:
                 validate.real(every_minutes, "every_minutes", positive=True, example="30")
             validate.integer(keep, "keep", minimum=1, example="3")
             validate.flag(background, "background")
-            if self.path.exists() and not self.path.is_dir():
-                raise ValueError(f"path={str(self.path)!r} is a file; pass a directory for the run.")
+        if stop_on is not None:
+            check_stop_arguments(said, stop_on, requeue, exit_code, 0.2, name="stop_on")
+            if threading.current_thread() is not threading.main_thread():
+                raise SpeedupsError(
+                    f"{said}: stopping on a signal needs handlers, which only the main thread installs. "
+                    f"Build "
+                    f"the RunDirectory in the main thread, or pass stop_on=None."
+                )
+        else:
+            check_stop_arguments(said, ["SIGTERM"], requeue, exit_code, 0.2)  # checked, though unused
         self.every_updates, self.keep, self.background = every_updates, keep, background
         self.every_s = None if every_minutes is None else 60.0 * float(every_minutes)
         self.stop = None if stop_on is None else StopOnSignal(stop_on, requeue=requeue, exit_code=exit_code)
@@ -118,8 +128,14 @@ class RunDirectory:
 
         Raises:
             SpeedupsError: a checkpoint that reads whole does not fit the objects (``load_checkpoint``'s
-                checks); the ranks do not find the same newest checkpoint.
+                checks), or none of them can continue on this layout (the newest one's reason); the ranks do
+                not find the same newest checkpoint; it was called before.
         """
+        if self._objects is not None:
+            raise SpeedupsError(
+                f"RunDirectory({str(self.path)!r}).resume(): called a second time; it loads the newest "
+                f"checkpoint over the objects once, before the loop. Make a new RunDirectory for a new run."
+            )
         refuse_positional("RunDirectory.resume", unnamed)
         objects, plain = split_state("RunDirectory.resume", state)
         if plain:
@@ -133,28 +149,42 @@ class RunDirectory:
                 f"RunDirectory({str(self.path)!r}, background=True): an FSDP2 model is saved by "
                 f"torch.distributed.checkpoint, in the foreground. Pass background=False."
             )
-        self._objects = objects
-        self._sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
-        self._step = next((o for o in objects.values() if _is_step(o)), None)
+        writes.wait()  # a write of this process in flight (another RunDirectory's) ends first
+        error = ""
         if env.rank() == 0:
-            self.path.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(self.path)
-        found = self._numbers()
-        self._next = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
-        values = self._load_newest(sorted(found, reverse=True), objects)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(self.path)
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
+        error = _gathered_text(error)  # every rank learns it (a rank that went on would wait for rank 0)
+        if error:
+            raise SpeedupsError(
+                f"RunDirectory({str(self.path)!r}).resume(): rank 0 could not make the directory ({error}). "
+                f"Pass a path in a writable place."
+            )
+        self._sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+        found = self._found()
+        next_number = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
+        values = self._load_newest(sorted(found, reverse=True), found, objects)
+        self._objects, self._next = objects, next_number  # only now: a failed resume leaves nothing bound
+        self._step = next((o for o in objects.values() if _is_step(o)), None)
         self._saved_updates = self._updates()
         self._clock = time.monotonic()
         return values
 
-    def _numbers(self) -> list[int]:
+    def _found(self) -> dict[int, Path]:
+        """The checkpoints in the directory by number (``ckpt-<n>.pt`` files, ``ckpt-<n>`` directories)."""
         if not self.path.is_dir():
-            return []
-        return [int(m.group(1)) for p in self.path.iterdir() if (m := _NAME.fullmatch(p.name))]
+            return {}
+        return {int(m.group(1)): p for p in self.path.iterdir() if (m := _NAME.fullmatch(p.name))}
 
     def _file(self, number: int) -> Path:
         return self.path / (f"ckpt-{number:06d}" if self._sharded else f"ckpt-{number:06d}.pt")
 
-    def _load_newest(self, numbers: list[int], objects: dict[str, Any]) -> dict[str, Any]:
+    def _load_newest(
+        self, numbers: list[int], found: dict[int, Path], objects: dict[str, Any]
+    ) -> dict[str, Any]:
         """Load the newest checkpoint that reads whole and can continue on this layout; ``{}`` if none.
 
         Every rank tries the same files in the same order (the checks are the same everywhere), and the ranks
@@ -164,9 +194,9 @@ class RunDirectory:
             SpeedupsError: a checkpoint that reads whole does not fit the objects; the ranks loaded different
                 checkpoints (the directory is not one filesystem every rank sees).
         """
-        chosen, values = None, {}
+        chosen, values, misfit = None, {}, None
         for number in numbers:
-            path = self._file(number)
+            path = found[number]
             said = f"load_checkpoint({str(path)!r})"
             try:  # what cannot be read whole is skipped ...
                 contents = None if path.is_dir() else file_format.read(path, said)
@@ -181,10 +211,16 @@ class RunDirectory:
                 else:
                     values = load_contents(said, contents, objects, depth=3)
             except LayoutError as err:
+                misfit = misfit or err
                 self._skip(path, f"it cannot continue on this layout ({str(err).rstrip('.')})")
                 continue
             chosen = number
             break
+        if chosen is None and misfit is not None:  # not a new run: this run's layout fits none of them
+            raise SpeedupsError(
+                f"RunDirectory({str(self.path)!r}).resume(): none of its checkpoints can continue on this "
+                f"layout; the newest says: {misfit}"
+            ) from misfit
         every = _gathered(-1 if chosen is None else chosen)
         if len(set(every)) > 1:
             raise SpeedupsError(
@@ -192,7 +228,7 @@ class RunDirectory:
                 f"({dict(enumerate(every))}, -1: none): the directory must be one filesystem every rank sees."
             )
         if chosen is not None:
-            self.latest = self._file(chosen)
+            self.latest = found[chosen]
         return values
 
     def _skip(self, path: Path, why: str) -> None:
@@ -218,6 +254,8 @@ class RunDirectory:
                 "RunDirectory.after_step(): call run.resume(model=..., optimizer=..., ...) first, once, "
                 "before the loop: it names the objects every checkpoint saves."
             )
+        if not self._calls:  # the values' names and kinds, once: a mistake shows now, not at the first save
+            self._plain("RunDirectory.after_step", values)
         self._calls += 1
         clock = self.every_s is not None and time.monotonic() - self._clock >= self.every_s
         if self.stop is not None:
@@ -231,8 +269,9 @@ class RunDirectory:
                 flags = self._agreement.poll((1.0 if clock else 0.0,))
                 agreed = flags is not None and flags[0] > 0
         self._time_due = self._time_due or agreed
-        due = self._time_due or (
-            self.every_updates is not None and self._updates() - self._saved_updates >= self.every_updates
+        due = self._time_due or (  # at every multiple of N updates (a resumed run keeps the same ones)
+            self.every_updates is not None
+            and self._updates() // self.every_updates > self._saved_updates // self.every_updates
         )
         if due and (self._step is None or self._step.pending == 0):  # saves wait for a window boundary
             self.save(**values)
@@ -244,7 +283,7 @@ class RunDirectory:
         """
         if self._objects is None:
             raise SpeedupsError("RunDirectory.save(): call run.resume(...) first, once, before the loop.")
-        _, plain = split_state("RunDirectory.save", values, allow_empty=True)
+        plain = self._plain("RunDirectory.save", values)
         number, self._next = self._next, self._next + 1
         path = self._file(number)
         keep_from = number - self.keep + 1
@@ -257,11 +296,33 @@ class RunDirectory:
         self._time_due = False
         return path
 
+    def _plain(self, call: str, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` checked: plain data (no objects: those go to :meth:`resume`), no name of an object.
+
+        Raises:
+            TypeError: a value is not plain data, or is an object with state.
+            ValueError: a name is one of the objects' (it would overwrite its state in the file).
+        """
+        objects, plain = split_state(call, values, allow_empty=True)
+        if objects:
+            raise TypeError(
+                f"{call}({', '.join(f'{k}=...' for k in objects)}): objects with state are given once, to "
+                f"run.resume({', '.join(f'{k}={k}' for k in objects)}, ...); {call.split('.')[-1]}() takes "
+                f"plain values (epoch=3)."
+            )
+        taken = sorted(set(plain) & set(self._objects or {}))
+        if taken:
+            raise ValueError(
+                f"{call}({', '.join(f'{k}=...' for k in taken)}): {taken} name objects given to resume(), "
+                f"whose state the value would replace in the checkpoint. Use another name, e.g. "
+                f"{taken[0]}_count=..."
+            )
+        return plain
+
     def _prune(self, keep_from: int) -> None:
         """Delete the checkpoints numbered below ``keep_from`` (rank 0, once a newer one is complete)."""
-        for number in self._numbers():
+        for number, old in self._found().items():
             if number < keep_from:
-                old = self._file(number)
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
                 else:
@@ -299,14 +360,45 @@ def _is_step(obj: Any) -> bool:
     return all(hasattr(obj, a) for a in ("every", "pending", "num_updates")) and callable(obj)
 
 
+_LEFTOVER = re.compile(r"\.ckpt-\d+(\.pt\.\w+\.tmp|\.partial)$")
+
+
+def _run_path(path: Any) -> Path:
+    """``path`` as an absolute ``Path`` (a later ``chdir`` does not move the run); ValueError/TypeError if it
+    is not a directory name, or a file stands where it or a folder above it should be."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        error = ValueError if isinstance(path, str) else TypeError
+        raise error(
+            f"path={short(path)}: expected the run's directory, a non-empty str or Path, e.g. 'runs/exp1'."
+        )
+    path = Path(path).absolute()
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "is a file" if place == path else f"lies under the file {str(place)!r}"
+                raise ValueError(f"path={str(path)!r} {where}; pass a directory for the run.")
+            break
+    return path
+
+
 def _remove_leftovers(path: Path) -> None:
     """Temporary files of writes a crash cut short (``save_checkpoint`` renames only complete ones)."""
     for p in path.iterdir():
-        if p.name.startswith(".ckpt-") and (p.name.endswith(".tmp") or p.name.endswith(".partial")):
+        if _LEFTOVER.fullmatch(p.name):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
+
+
+def _gathered_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank (one broadcast; ``text`` in one process)."""
+    if not collective():
+        return text
+    box = [text]
+    with env.on_comm_device():
+        torch.distributed.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def _gathered(value: int) -> list[int]:

@@ -153,30 +153,35 @@ def write_checkpoint(
     else:
         meta["rng"], meta["rng_ranks"] = [file_format.rng_to_file(get_rng_states())], [0]
     payload[file_format.META] = meta
-    error = ""
+    errors = ["", ""]  # [this save's, the background write before's]
     if env.rank() == 0:
-        if background:  # the write before must end first: its buffers take this copy
-            writes.wait()
-            error = writes.start(path, writes.host_copy(payload), then)  # the write before's error, if any
+        writes.wait()  # the write in flight ends first (its buffers take this copy; it may be this path)
+        errors[1] = writes.take_error()
+        if path.is_dir():
+            errors[0] = f"IsADirectoryError: {path} is a directory; pass a file name, e.g. {path / 'ckpt.pt'}"
+        elif background:
+            writes.start(path, writes.host_copy(payload), then)
         else:
-            writes.wait()  # a background write in flight ends first (it may be this very path)
-            error = writes.take_error()
             try:
                 file_format.write(path, payload)
                 if then is not None:
                     then()
             except OSError as err:
-                error = f"{error}; " if error else ""
-                error += f"{type(err).__name__}: {err}"
+                errors[0] = f"{type(err).__name__}: {err}"
     if collective() and together:
-        box = [error]
         with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current
-            torch.distributed.broadcast_object_list(box, src=0)  # also the barrier: the file is complete now
-        error = box[0]
-    if error:
+            torch.distributed.broadcast_object_list(errors, src=0)  # also the barrier: the file is complete
+    if errors[0]:
         raise SpeedupsError(
-            f"save_checkpoint({str(path)!r}): rank 0 could not write the checkpoint ({error}). "
-            f"Check that the path is a file name in a writable directory with space."
+            f"save_checkpoint({str(path)!r}): rank 0 could not write the checkpoint ({errors[0]})"
+            + (f"; the background write before failed too ({errors[1]})" if errors[1] else "")
+            + ". Check that the path is a file name in a writable directory with space."
+        )
+    if errors[1]:
+        raise SpeedupsError(
+            f"save_checkpoint({str(path)!r}): the checkpoint before, written in the background, failed "
+            f"({errors[1]}); this one was {'handed to the writer' if background else 'written'}. Save "
+            f"again if that one mattered."
         )
     return path
 

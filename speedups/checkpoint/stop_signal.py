@@ -34,35 +34,54 @@ from speedups.checkpoint import background as writes
 from speedups.data import workers
 from speedups.errors import SpeedupsError
 
-__all__ = ["EXIT_CODE", "StopOnSignal"]
+__all__ = ["EXIT_CODE", "STOPPING_SIGNALS", "StopOnSignal", "check_stop_arguments"]
 
 EXIT_CODE = 75
 """The exit status after a clean stop: ``EX_TEMPFAIL`` of ``sysexits.h``, "try again later" (the checkpoint
 is saved; run the same command to resume). Not 0, so a scheduler or wrapper script can tell it from a run
 that finished, and not 128 + the signal, which a shell shows for a process the signal killed."""
 
-_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+STOPPING_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+"""The signals a scheduler sends to ask a job to end (SLURM, torchrun, Kubernetes: SIGTERM; ``--signal``: any;
+SIGXCPU: a CPU-time limit). Others (faults such as SIGSEGV, SIGCHLD, SIGPIPE, SIGALRM, Ctrl-C's SIGINT,
+SIGKILL) are refused: catching them would hang or stop the run for the wrong reason."""
+
+# One handler per signal serves every live StopOnSignal that watches it (a RunDirectory's and a user's own):
+# each is told; the handler there before the first comes back when the last one closes.
+_watchers: dict[int, list[StopOnSignal]] = {}
+_before: dict[int, Any] = {}
 
 
-def _signal_number(value: Any, said: str) -> int:
+def _dispatch(signum: int, frame: FrameType | None) -> None:
+    for watcher in list(_watchers.get(signum, ())):
+        watcher._tell(signum)
+
+
+def _signal_number(value: Any, argument: str) -> int:
     """A signal given by name (``"SIGTERM"``, ``"TERM"``), number or ``signal.Signals``, as its number."""
     if isinstance(value, str):
-        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
         number = getattr(signal, name, None)
         if not isinstance(number, signal.Signals):
-            raise ValueError(f"{said}: {value!r} is no signal of this platform; e.g. 'SIGTERM', 'SIGUSR1'.")
+            raise ValueError(
+                f"{argument}: {value!r} is no signal of this platform; e.g. 'SIGTERM', 'SIGUSR1'."
+            )
         value = number
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"{said}: signals are names ('SIGTERM'), numbers or signal.Signals; got {short(value)}."
+            f"{argument}: signals are names ('SIGTERM'), numbers or signal.Signals; got {short(value)}."
         )
     try:
         sig = signal.Signals(value)
     except ValueError:
-        raise ValueError(f"{said}: {value!r} is not a signal number of this platform.") from None
-    if sig.name in _UNCATCHABLE or sig == signal.SIGINT:
-        why = "cannot be caught" if sig.name in _UNCATCHABLE else "is Ctrl-C, which should stop at once"
-        raise ValueError(f"{said}: {sig.name} {why}. Stop on SIGTERM, SIGUSR1, SIGUSR2 or SIGHUP.")
+        raise ValueError(f"{argument}: {value!r} is not a signal number of this platform.") from None
+    if sig.name not in STOPPING_SIGNALS:
+        raise ValueError(
+            f"{argument}: {sig.name} is not a signal that asks a job to stop (catching it would hang on a "
+            f"fault or stop "
+            f"for the wrong reason). Allowed: {', '.join(STOPPING_SIGNALS)}."
+        )
     return int(sig)
 
 
@@ -76,14 +95,17 @@ class StopOnSignal:
     serve the save. Made on every rank, before or after the process group starts; the first
     :meth:`requested` makes its own gloo process group (a collective: every rank calls it from the first
     micro-step on).
-    Handlers are installed in the main thread at construction; :meth:`close` (or leaving a ``with`` block)
-    puts the previous ones back. Signals that arrive while already stopping change nothing.
+    Handlers are installed in the main thread at construction; several ``StopOnSignal`` (a run directory's
+    and your own) all hear a signal they watch; :meth:`close` (or leaving a ``with`` block) stops watching,
+    and the handlers there before come back when none is left. Signals that arrive while already stopping
+    change nothing.
 
     Sync points: none per call; every ~``latency`` seconds one asynchronous all-reduce of a flag (on the CPU,
     read a round later), so the stop comes about ``2 * latency`` seconds after the first signal.
 
     Args:
-        signals: names (``"SIGTERM"``), numbers or ``signal.Signals``; not SIGKILL, SIGSTOP or SIGINT.
+        signals: names (``"SIGTERM"``), numbers or ``signal.Signals`` of :data:`STOPPING_SIGNALS` (SIGTERM,
+            SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU).
         requeue: on :meth:`exit`, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (True: a SLURM job is
             required; ``"auto"``: only under SLURM; False: never).
         exit_code: the exit status of :meth:`exit` (default :data:`EXIT_CODE`, 75).
@@ -110,23 +132,9 @@ class StopOnSignal:
         latency: float = 0.2,
     ) -> None:
         said = f"StopOnSignal(signals={short(signals)}, requeue={requeue!r}, exit_code={exit_code!r})"
-        if isinstance(signals, (str, int)):
-            signals = [signals]
-        with validate.arguments(said):
-            numbers = sorted({_signal_number(s, said) for s in signals})
-            if not numbers:
-                raise ValueError("signals=[]: give at least one signal, e.g. ['SIGTERM', 'SIGUSR1'].")
-            if requeue != "auto":
-                validate.flag(requeue, "requeue")
-            validate.integer(exit_code, "exit_code", minimum=0, maximum=255, example="75")
-            validate.real(latency, "latency", positive=True, example="0.5 (seconds)")
+        numbers = check_stop_arguments(said, signals, requeue, exit_code, latency)
         if threading.current_thread() is not threading.main_thread():
             raise SpeedupsError(f"{said}: signal handlers can only be installed from the main thread.")
-        if requeue is True and not os.environ.get("SLURM_JOB_ID"):
-            raise SpeedupsError(
-                f"{said}: requeue=True asks SLURM to requeue this job, but SLURM_JOB_ID is not set (not a "
-                f"SLURM job). Pass requeue='auto' to requeue only under SLURM, or requeue=False."
-            )
         self.signals = [signal.Signals(n) for n in numbers]
         self.requeue = requeue
         self.exit_code = exit_code
@@ -136,12 +144,15 @@ class StopOnSignal:
         """Whether every rank agreed to stop (:meth:`requested` returned True)."""
         self._agreement = Agreement(2, latency)  # [a signal came, a save is due (a run directory's)]
         self._alone: bool | None = None  # this process is the whole job (decided at the first call)
-        self._previous: dict[int, Any] = {}
-        for sig in self.signals:
-            self._previous[int(sig)] = signal.signal(sig, self._handle)
-            workers.STOP_SIGNALS.add(int(sig))  # loader workers started from now on ignore it too
+        self._open = True
+        for number in numbers:
+            if not _watchers.get(number):
+                _before[number] = signal.signal(number, _dispatch)
+                workers.STOP_SIGNALS.add(number)  # loader workers started from now on ignore it too
+            _watchers.setdefault(number, []).append(self)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _tell(self, signum: int) -> None:
+        """The dispatcher's call: one of this object's signals came (main thread, between bytecodes)."""
         if self.received is None:
             self.received = signal.Signals(signum)
             sys.stderr.write(
@@ -183,12 +194,20 @@ class StopOnSignal:
 
     def exit(self) -> NoReturn:
         """End this process after the checkpoint was saved: wait for background writes, requeue the SLURM job
-        (rank 0, if asked), end the process group, exit with ``exit_code``. Call it on every rank.
+        (rank 0, if asked), end the process group, exit with ``exit_code``. Call it on every rank, once
+        :meth:`requested` returned True.
 
         Raises:
-            SystemExit: always (``exit_code``).
-            SpeedupsError: a background checkpoint write failed (nothing is requeued then).
+            SystemExit: ``exit_code``.
+            SpeedupsError: no stop was agreed (the run was not preempted: exiting with "try again" and
+                requeueing would run it again); a background checkpoint write failed (nothing is requeued).
         """
+        if not self.stopping:
+            raise SpeedupsError(
+                "StopOnSignal.exit(): no stop was requested (requested() has not returned True), so exiting "
+                "with status 75 ('try again') and requeueing would run the job again. End a finished run "
+                "normally; call exit() after `if stop.requested(): save_checkpoint(...)`."
+            )
         writes.wait()
         error = writes.take_error()
         if error:
@@ -209,13 +228,26 @@ class StopOnSignal:
         return bool(self.requeue) and bool(os.environ.get("SLURM_JOB_ID"))
 
     def close(self) -> None:
-        """Put back the signal handlers that were there before (this process's loop ends without a stop)."""
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous = {}
+        """Stop watching (this process's loop ends without a stop): the handlers that were there before the
+        first live ``StopOnSignal`` come back once none watches the signal. Closing twice is a no-op."""
+        if not self._open:
+            return
+        self._open = False
+        for sig in self.signals:
+            number = int(sig)
+            others = [w for w in _watchers.get(number, []) if w is not self]
+            _watchers[number] = others
+            if not others:
+                signal.signal(number, _before.pop(number, signal.SIG_DFL))
+                if sig.name not in ("SIGTERM", "SIGUSR1"):  # the two loader workers always ignore
+                    workers.STOP_SIGNALS.discard(number)
         self._agreement.close()
 
     def __enter__(self) -> StopOnSignal:
+        if not self._open:
+            raise SpeedupsError(
+                "StopOnSignal: this one was closed; make a new StopOnSignal(...) to watch again."
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -228,6 +260,42 @@ class StopOnSignal:
             f"StopOnSignal({names}, requeue={self.requeue!r}, received={self.received}, "
             f"stopping={self.stopping})"
         )
+
+
+def check_stop_arguments(
+    said: str, signals: Any, requeue: Any, exit_code: Any, latency: Any, name: str = "signals"
+) -> list[int]:
+    """Check :class:`StopOnSignal`'s arguments (``RunDirectory`` checks its own with it, the signals being its
+    ``name="stop_on"``); return the signal numbers, sorted.
+
+    Raises:
+        TypeError, ValueError: a bad argument (named); SpeedupsError: ``requeue=True`` outside SLURM.
+    """
+    if isinstance(signals, (str, int)):
+        signals = [signals]
+    with validate.arguments(said):
+        if isinstance(signals, bytes) or not hasattr(signals, "__iter__"):
+            raise TypeError(
+                f"{name}={short(signals)}: expected a list of signal names or numbers, e.g. "
+                f"['SIGTERM', 'SIGUSR1']."
+            )
+        numbers = sorted({_signal_number(s, name) for s in signals})
+        if not numbers:
+            raise ValueError(f"{name}=[]: give at least one signal, e.g. ['SIGTERM', 'SIGUSR1'].")
+        if requeue != "auto" and not isinstance(requeue, bool):
+            raise TypeError(
+                f"requeue={short(requeue)}: expected True (requeue this SLURM job), 'auto' (only under "
+                f"SLURM) "
+                f"or False."
+            )
+        validate.integer(exit_code, "exit_code", minimum=0, maximum=255, example="75")
+        validate.real(latency, "latency", positive=True, example="0.2 (seconds)")
+    if requeue is True and not os.environ.get("SLURM_JOB_ID"):
+        raise SpeedupsError(
+            f"{said}: requeue=True asks SLURM to requeue this job, but SLURM_JOB_ID is not set (not a SLURM "
+            f"job). Pass requeue='auto' to requeue only under SLURM, or requeue=False."
+        )
+    return numbers
 
 
 def _requeue(job: str) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
 from speedups.checkpoint.entries import check_path, is_plain
 from speedups.checkpoint.sharded import plain_values_of_directory
@@ -45,6 +46,7 @@ def checkpoint_values(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> model = torch.nn.Linear(args["n_in"], args["n_out"])   # then load_checkpoint(path, model=model)
     """
     path = check_path("checkpoint_values", path)
+    writes.wait()  # a checkpoint this process writes in the background is complete before it is read
     said = f"checkpoint_values({str(path)!r})"
     if path.is_dir():
         return plain_values_of_directory(path)

@@ -76,7 +76,8 @@ def test_the_previous_file_stays_until_the_new_one_is_complete_and_saves_run_in_
     )  # the previous checkpoint, written in the foreground
     gate = _Gate(monkeypatch)
     save_checkpoint(path, model=nn.Linear(2, 1), epoch=2, background=True)
-    assert checkpoint_values(path) == {"epoch": 1}  # the write is held: the old file is whole and readable
+    held = torch.load(path, weights_only=True)  # (checkpoint_values would wait for the write)
+    assert held["epoch"] == 1  # the write is held: the old file is whole and readable
     opener = threading.Timer(0.2, gate.open.set)
     opener.start()
     save_checkpoint(tmp_path / "d.pt", model=nn.Linear(2, 1), epoch=3, background=True)  # waits for c.pt
@@ -86,8 +87,8 @@ def test_the_previous_file_stays_until_the_new_one_is_complete_and_saves_run_in_
     assert gate.events[-1] == ("end", "d.pt")  # load_checkpoint waited for the write in flight
 
 
-def test_a_failed_background_write_is_raised_by_the_next_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_failed_background_write_is_said_at_once_and_raised_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     def full_disk(path: Path, payload: dict) -> None:
         raise OSError(28, "No space left on device")
@@ -96,19 +97,34 @@ def test_a_failed_background_write_is_raised_by_the_next_save(
     monkeypatch.setattr(file_format, "write", full_disk)
     save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), background=True)  # returns: the write is later
     background.wait()
+    assert "speedups: a checkpoint could not be written: OSError" in capfd.readouterr().err  # said at once
     monkeypatch.setattr(file_format, "write", real)
+    before = r"the checkpoint before, written in the background, failed \(OSError: .*No space left on device"
     with pytest.raises(
-        SpeedupsError, match=r"No space left on device \(writing '.*c.pt' in the background\)"
+        SpeedupsError, match=before + r" \(writing '.*c.pt' in the background\)\); this one was"
     ):
         save_checkpoint(tmp_path / "d.pt", model=nn.Linear(2, 1))
     assert (tmp_path / "d.pt").exists()  # this save itself was written; the error was the one before
     save_checkpoint(tmp_path / "e.pt", model=nn.Linear(2, 1))  # reported once
 
 
-def test_bad_background_argument_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+def test_bad_background_argument_and_a_directory_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"background=1.*expected True or False"):
         save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), background=1)
     assert not (tmp_path / "c.pt").exists()
+    with pytest.raises(
+        SpeedupsError, match=r"could not write the checkpoint \(IsADirectoryError: .* directory"
+    ):
+        save_checkpoint(tmp_path, model=nn.Linear(2, 1), background=True)  # at once, not in the thread
+
+
+def test_checkpoint_values_waits_for_a_background_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _Gate(monkeypatch)
+    save_checkpoint(tmp_path / "c.pt", model=nn.Linear(2, 1), epoch=2, background=True)
+    threading.Timer(0.2, gate.open.set).start()
+    assert checkpoint_values(tmp_path / "c.pt") == {"epoch": 2}  # not FileNotFoundError: it waited
 
 
 @pytest.mark.slow

@@ -88,3 +88,26 @@ def test_one_process_resumes_on_two_with_the_accumulation_halved(tmp_path: Path,
         refused = (tmp_path / f"refused-{k}.txt").read_text()
         assert "which is not a whole number of this run's micro-steps (2 processes x batch 4 = 8" in refused
         assert not (tmp_path / f"two-from-{k}.pt").exists()
+
+
+def test_with_a_second_loader_the_one_the_step_trains_on_sets_the_global_batch(tmp_path: Path) -> None:
+    from speedups import distributed, fast_loader, load_checkpoint, save_checkpoint
+    from tests._elastic import Noisy, build
+
+    def with_test_loader(every: int, batch: int) -> dict:
+        state = build(every, batch=batch)
+        state["test_loader"] = distributed(fast_loader(Noisy(), 32, num_workers=0))  # sorts before "train"
+        return state
+
+    state = with_test_loader(4, 4)
+    for x, y in state["step"].epoch(state["loader"]):
+        state["step"](x, y)
+    save_checkpoint(tmp_path / "c.pt", **state, epoch=1)
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["step"]["feed"]["batch_size"] == 4
+    load_checkpoint(tmp_path / "c.pt", **with_test_loader(2, 8))  # 16 samples per step: fits
+    with pytest.raises(
+        SpeedupsError,
+        match=r"x batch 4 = 16 samples per optimizer step; this run has 1 "
+        r"process x accumulate\(4\) x batch 8 = 32",
+    ):
+        load_checkpoint(tmp_path / "c.pt", **with_test_loader(4, 8))

@@ -25,16 +25,19 @@ def _train(path: Path, *, stop_after: int | None = None, signal_at: int | None =
     step = state["step"]
     options.setdefault("stop_on", ["SIGUSR2"])
     run = RunDirectory(path, **options)
-    values = run.resume(**state)
-    for epoch in range(values.get("epoch", 0), EPOCHS):
-        for x, y in step.epoch(state["loader"]):
-            step(x, y)
-            if step.step == signal_at:
-                os.kill(os.getpid(), signal.SIGUSR2)
-            run.after_step(epoch=epoch)
-            if step.step == stop_after:
-                run.close()
-                return {"stopped": step.step}
+    try:
+        values = run.resume(**state)
+        for epoch in range(values.get("epoch", 0), EPOCHS):
+            for x, y in step.epoch(state["loader"]):
+                step(x, y)
+                if step.step == signal_at:
+                    os.kill(os.getpid(), signal.SIGUSR2)
+                run.after_step(epoch=epoch)
+                if step.step == stop_after:
+                    return {"stopped": step.step}
+    finally:
+        if run.stop is not None:  # a stop's exit keeps its handler to the end of the process: not here
+            run.stop.close()
     run.close()
     return {"weights": [p.detach().clone() for p in state["model"].parameters()], "run": run, "step": step}
 
@@ -151,3 +154,48 @@ def test_bad_arguments_and_misuse_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"plain values are saved by after_step"):
         run.resume(model=torch.nn.Linear(2, 1), epoch=3)
     assert run.resume(model=torch.nn.Linear(2, 1)) == {}
+
+
+def test_a_run_that_fits_none_of_its_checkpoints_raises_and_deletes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    _train(path, every_updates=2, keep=2)  # accumulate(2) x batch 4
+    before = _files(path)
+    state = build(4)  # accumulate(4) x batch 4: another global batch, which no checkpoint of this run fits
+    with (
+        pytest.warns(SpeedupsWarning, match="cannot continue on this layout"),
+        pytest.raises(
+            SpeedupsError,
+            match=r"none of its checkpoints can continue on this layout; the newest says: .*"
+            r"Keep 8: decorate the step with accumulate\(2, ...\)",
+        ),
+    ):
+        RunDirectory(path, stop_on=None).resume(**state)
+    assert _files(path) == before
+
+
+def test_misuse_of_after_step_values_and_resume_is_refused_at_once(tmp_path: Path) -> None:
+    state = build(2)
+    run = RunDirectory(tmp_path / "run", every_updates=1000, stop_on=None)
+    run.resume(**state)
+    with pytest.raises(ValueError, match=r"after_step\(step=...\): \['step'\] name objects given to resume"):
+        run.after_step(step=3)  # the first call: long before any save
+    with pytest.raises(TypeError, match=r"objects with state are given once, to run.resume\(tracker=tracker"):
+        run.after_step(tracker=state["tracker"])
+    with pytest.raises(SpeedupsError, match=r"resume\(\): called a second time"):
+        run.resume(**state)
+    with pytest.raises(ValueError, match=r"lies under the file"):
+        (tmp_path / "afile").write_text("x")
+        RunDirectory(tmp_path / "afile" / "run")
+    with pytest.raises(
+        ValueError, match=r"RunDirectory\(.*stop_on=\['SIGSEGV'\]\): stop_on: SIGSEGV is not a signal"
+    ):
+        RunDirectory(tmp_path / "x", stop_on=["SIGSEGV"])
+
+
+def test_checkpoints_named_by_hand_are_found_by_their_number(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    _train(path, every_updates=6, keep=1)  # one checkpoint left: ckpt-000001.pt at the end
+    (path / "ckpt-000001.pt").rename(path / "ckpt-7.pt")  # copied in by hand, unpadded
+    state = build(2)
+    run = RunDirectory(path, stop_on=None)
+    assert run.resume(**state) == {"epoch": 1} and run.latest == path / "ckpt-7.pt"

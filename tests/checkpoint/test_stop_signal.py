@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from speedups import SpeedupsError, StopOnSignal, checkpoint_values
+from speedups.checkpoint import stop_signal
 from speedups.checkpoint.stop_signal import EXIT_CODE
 from tests._dist import ROOT, WORKERS, _env, run_torchrun
 
@@ -43,12 +44,19 @@ def test_a_signal_stops_at_the_next_call_and_exit_ends_the_process_with_75() -> 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"signals": ["SIGKILL"]}, ValueError, r"SIGKILL cannot be caught"),
-        ({"signals": ["SIGINT"]}, ValueError, r"SIGINT is Ctrl-C"),
-        ({"signals": ["SIGFOO"]}, ValueError, r"'SIGFOO' is no signal of this platform"),
+        (
+            {"signals": ["SIGKILL"]},
+            ValueError,
+            r"\): signals: SIGKILL is not a signal that asks a job to stop.*Allowed",
+        ),
+        ({"signals": ["SIGINT"]}, ValueError, r"SIGINT is not a signal that asks a job to stop"),
+        ({"signals": ["SIGSEGV"]}, ValueError, r"SIGSEGV is not a signal that asks a job to stop"),
+        ({"signals": ["SIGCHLD"]}, ValueError, r"SIGCHLD is not a signal that asks a job to stop"),
+        ({"signals": ["SIGFOO"]}, ValueError, r"\): signals: 'SIGFOO' is no signal of this platform"),
         ({"signals": [3.5]}, TypeError, r"signals are names \('SIGTERM'\), numbers or signal.Signals"),
+        ({"signals": None}, TypeError, r"signals=None: expected a list of signal names or numbers"),
         ({"signals": []}, ValueError, r"signals=\[\]: give at least one signal"),
-        ({"requeue": "yes"}, TypeError, r"requeue='yes'"),
+        ({"requeue": "yes"}, TypeError, r"requeue='yes': expected True .*, 'auto' .* or False"),
         ({"exit_code": 300}, ValueError, r"exit_code=300"),
         ({"latency": 0}, ValueError, r"latency=0"),
     ],
@@ -58,6 +66,33 @@ def test_bad_arguments_are_refused_before_any_handler_is_installed(kwargs, error
     with pytest.raises(error, match=match):
         StopOnSignal(**kwargs)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_two_watchers_both_hear_a_signal_and_the_handler_before_comes_back_after_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    first, second = StopOnSignal(["SIGUSR2"]), StopOnSignal(["USR2", "SIGHUP"])
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert first.requested() and second.requested()  # a run directory's and the user's own
+        first.close()
+        first.close()  # twice: nothing more
+        assert signal.getsignal(signal.SIGUSR2) is stop_signal._dispatch  # the second still watches it
+        with pytest.raises(SpeedupsError, match="this one was closed"):
+            first.__enter__()
+    finally:
+        second.close()
+    assert signal.getsignal(signal.SIGUSR2) is before and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_exit_without_a_stop_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a finished run must not requeue itself
+    with (
+        StopOnSignal(["SIGUSR2"], requeue="auto") as stop,
+        pytest.raises(SpeedupsError, match=r"no stop was requested .* would run the job again"),
+    ):
+        stop.exit()
 
 
 def test_requeue_outside_slurm_and_a_thread_other_than_main_are_refused(monkeypatch) -> None:
