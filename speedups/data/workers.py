@@ -85,6 +85,8 @@ def release_workers_at_exit() -> None:
     global _release_registered
     if not _release_registered:
         _release_registered = True
+        import multiprocessing.util  # registers its exit handler now (else at the first worker's start): ours,
+        # registered after it, runs before it
         atexit.register(_release_sheltered_workers)
 
 
@@ -102,8 +104,8 @@ def _ignores_sigterm(pid: int) -> bool | None:
 
 def _release_sheltered_workers() -> None:
     """End this process's daemonic children that ignore SIGTERM (SIGKILL), before ``multiprocessing``
-    terminates them with SIGTERM and waits for them. Where the signal mask cannot be read, a child gets
-    SIGTERM, a second to go, then SIGKILL."""
+    terminates them with SIGTERM and waits for them. One that does not (yet) ignore it, or whose signal mask
+    cannot be read, gets SIGTERM, half a second to go, then SIGKILL."""
     children = [c for c in multiprocessing.active_children() if c.daemon and c.pid not in (None, os.getpid())]
     if not children:
         return
@@ -113,12 +115,10 @@ def _release_sheltered_workers() -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in children:
         try:
-            ignores = _ignores_sigterm(child.pid)  # type: ignore[arg-type]
-            if ignores is None:
-                child.terminate()
-                child.join(1.0)
-                ignores = child.is_alive()
-            if ignores:
+            if not _ignores_sigterm(child.pid):  # type: ignore[arg-type]  # (or unknown, or not yet: a worker
+                child.terminate()  # still starting may ignore it by the time it arrives)
+                child.join(0.5)
+            if child.is_alive():
                 child.kill()
                 child.join(5.0)
         except Exception:  # an exit handler: the others must still be ended
