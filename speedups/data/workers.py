@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import inspect
 import multiprocessing
 import os
@@ -85,8 +86,9 @@ def release_workers_at_exit() -> None:
     global _release_registered
     if not _release_registered:
         _release_registered = True
-        import multiprocessing.util  # registers its exit handler now (else at the first worker's start): ours,
-        # registered after it, runs before it
+        # multiprocessing.util registers its exit handler when first imported (else at the first worker's
+        # start): imported now, it is registered before ours, which therefore runs first.
+        importlib.import_module("multiprocessing.util")
         atexit.register(_release_sheltered_workers)
 
 
