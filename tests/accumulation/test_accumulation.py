@@ -204,6 +204,7 @@ def test_benchmark_quick_mode_prints_its_table() -> None:
     stdout = run_quick("accumulate")
     assert re.search(r"hand-written\s+[\d.]+ s\s+1\.000x", stdout), stdout
     assert re.search(r"@accumulate\s+[\d.]+ s\s+[\d.]+x", stdout), stdout
+    assert re.search(r"preemption watching: StopOnSignal.requested\(\) [\d.]+ us per call, 1\.0\d+x", stdout)
 
 
 def test_resume_mid_window_gives_the_same_weights_as_not_stopping() -> None:
