@@ -19,6 +19,7 @@ __all__ = [
     "check_path",
     "collective",
     "fsdp_type",
+    "holds_fsdp",
     "is_plain",
     "refuse_positional",
     "saved_object",
@@ -36,6 +37,12 @@ def collective() -> bool:
 def fsdp_type() -> type | None:
     """FSDP2's ``FSDPModule`` class, or None in a torch without it."""
     return getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+
+
+def holds_fsdp(objects: Mapping[str, Any]) -> bool:
+    """Whether an FSDP2 model is among ``objects`` (its checkpoint is then a directory of shards)."""
+    fsdp = fsdp_type()
+    return fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
 
 
 def is_plain(value: Any) -> bool:

@@ -34,7 +34,7 @@ from speedups.checkpoint.rank_states import is_per_rank, state_of_this_rank
 from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError
 
-__all__ = ["LayoutError", "changes_layout", "states_for_this_layout"]
+__all__ = ["LayoutError", "changes_layout", "is_step", "states_for_this_layout"]
 
 
 class LayoutError(SpeedupsError):
@@ -42,7 +42,7 @@ class LayoutError(SpeedupsError):
     then tries the checkpoint before it (a periodic one, at a window boundary, usually can)."""
 
 
-def _is_step(target: Any) -> bool:
+def is_step(target: Any) -> bool:
     """An ``@accumulate`` step (told apart by what it shows, not its class: it lives beside this package)."""
     return callable(getattr(target, "_merge_rank_states", None)) and all(
         hasattr(target, a) for a in ("every", "pending", "num_updates")
@@ -67,7 +67,7 @@ def changes_layout(contents: Any, objects: Mapping[str, Any], entry_of: Mapping[
         saved = contents.entries[entry_of[name]]
         if not isinstance(saved, Mapping):
             continue
-        if _is_step(target) and saved.get("every") not in (None, target.every):
+        if is_step(target) and saved.get("every") not in (None, target.every):
             return True
         if isinstance(target, DistributedLoader) and saved.get("batch_size") not in (None, _batch(target)):
             return True
@@ -116,7 +116,7 @@ def states_for_this_layout(
     saved_world, world, rank = int(contents.world_size), env.world_size(), env.rank()
     targets = {name: saved_object(obj) for name, obj in objects.items()}
     loaders = {n: t for n, t in targets.items() if isinstance(t, DistributedLoader)}
-    steps = {n: t for n, t in targets.items() if _is_step(t)}
+    steps = {n: t for n, t in targets.items() if is_step(t)}
     feeds = [_saved_states(contents, entry_of[n])[0].get("feed") for n in steps]
     old, new, position, loader_name = _epochs(said, contents, loaders, entry_of, saved_world, feeds)
     change, consumed = LayoutChange(saved_world, world, rank), None

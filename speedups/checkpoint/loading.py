@@ -20,7 +20,7 @@ from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
 from speedups.checkpoint.checks import check_entry, is_checked
-from speedups.checkpoint.entries import check_path, fsdp_type, refuse_positional, saved_object, split_state
+from speedups.checkpoint.entries import check_path, holds_fsdp, refuse_positional, saved_object, split_state
 from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
 from speedups.checkpoint.rank_states import rng_of_this_rank, state_of_this_rank
 from speedups.checkpoint.sharded import load_sharded
@@ -99,8 +99,7 @@ def load_checkpoint(
     entry_of = _check_keys(keys, objects)
     path = check_path("load_checkpoint", path)
     said = f"load_checkpoint({str(path)!r})"
-    fsdp = fsdp_type()
-    if fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+    if holds_fsdp(objects):
         if keys:
             raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
         arrive("load_checkpoint")  # FSDP2 loads are collective

@@ -26,8 +26,8 @@ from speedups._helpers.agreement import Agreement
 from speedups._helpers.validate import short
 from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
-from speedups.checkpoint.entries import collective, fsdp_type, refuse_positional, split_state
-from speedups.checkpoint.layout_change import LayoutError
+from speedups.checkpoint.entries import collective, holds_fsdp, refuse_positional, split_state
+from speedups.checkpoint.layout_change import LayoutError, is_step
 from speedups.checkpoint.loading import load_checkpoint, load_contents
 from speedups.checkpoint.saving import write_checkpoint
 from speedups.checkpoint.sharded import plain_values_of_directory
@@ -143,8 +143,8 @@ class RunDirectory:
                 f"RunDirectory.resume({', '.join(f'{k}=...' for k in plain)}): plain values are saved by "
                 f"after_step(...) and returned here: values = run.resume(model=model, ...)."
             )
-        fsdp = fsdp_type()
-        if self.background and fsdp is not None and any(isinstance(o, fsdp) for o in objects.values()):
+        sharded = holds_fsdp(objects)
+        if self.background and sharded:
             raise ValueError(
                 f"RunDirectory({str(self.path)!r}, background=True): an FSDP2 model is saved by "
                 f"torch.distributed.checkpoint, in the foreground. Pass background=False."
@@ -163,12 +163,12 @@ class RunDirectory:
                 f"RunDirectory({str(self.path)!r}).resume(): rank 0 could not make the directory ({error}). "
                 f"Pass a path in a writable place."
             )
-        self._sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+        self._sharded = sharded
         found = self._found()
         next_number = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
         values = self._load_newest(sorted(found, reverse=True), found, objects)
         self._objects, self._next = objects, next_number  # only now: a failed resume leaves nothing bound
-        self._step = next((o for o in objects.values() if _is_step(o)), None)
+        self._step = next((o for o in objects.values() if is_step(o)), None)
         self._saved_updates = self._updates()
         self._clock = time.monotonic()
         return values
@@ -354,10 +354,6 @@ class RunDirectory:
             f"RunDirectory({str(self.path)!r}, every_updates={self.every_updates}, keep={self.keep}, "
             f"latest={None if self.latest is None else self.latest.name!r})"
         )
-
-
-def _is_step(obj: Any) -> bool:
-    return all(hasattr(obj, a) for a in ("every", "pending", "num_updates")) and callable(obj)
 
 
 _LEFTOVER = re.compile(r"\.ckpt-\d+(\.pt\.\w+\.tmp|\.partial)$")

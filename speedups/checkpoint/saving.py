@@ -25,7 +25,7 @@ from speedups.checkpoint import file_format
 from speedups.checkpoint.entries import (
     check_path,
     collective,
-    fsdp_type,
+    holds_fsdp,
     refuse_positional,
     saved_object,
     split_state,
@@ -116,8 +116,7 @@ def write_checkpoint(
 ) -> Path:
     """:func:`save_checkpoint` of checked arguments; ``then`` runs on rank 0 once the file is complete (in
     the writer thread with ``background``), as a run directory drops its oldest checkpoints then."""
-    fsdp = fsdp_type()
-    sharded = fsdp is not None and any(isinstance(o, fsdp) for o in objects.values())
+    sharded = holds_fsdp(objects)
     if sharded and background:
         raise ValueError(
             f"save_checkpoint({str(path)!r}, background=True): an FSDP2 model is saved by "

@@ -127,8 +127,9 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
     saved = {key.split(".")[0] for key in metadata.state_dict_metadata}
     blobbed = "_ranks" in saved  # per-rank objects in one blob (older directories: DCP entries)
     state = _dcp_state(objects)
+    per_rank = _per_rank(objects)
     if not blobbed:
-        state.update({name: obj.state_dict() for name, obj in _per_rank(objects).items()})
+        state.update({name: obj.state_dict() for name, obj in per_rank.items()})
     state["_plain"] = b""
     state["_rng"] = b""
     if blobbed:
@@ -140,7 +141,7 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         )
     dcp.load(state, checkpoint_id=str(path))  # fills ``state`` in place (sharded tensors read per rank)
     if blobbed:
-        state.update(_this_rank(said, _unblob(state["_ranks"]), _per_rank(objects)))
+        state.update(_this_rank(said, _unblob(state["_ranks"]), per_rank))
     models, owners = _models_and_owners(objects)
     for name, obj in objects.items():
         if obj in models:
