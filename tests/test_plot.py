@@ -85,3 +85,27 @@ def test_a_metric_logged_once_shows_as_a_point(tmp_path: Path, monkeypatch) -> N
     plot_metrics(tmp_path)
     accuracy = next(line for line in drawn if list(line.get_xdata()) == [4])
     assert accuracy.get_marker() == "o"
+
+
+@pytest.mark.parametrize(
+    ("output", "written"),
+    [
+        ("curves", "curves.png"),  # no suffix: .png added (matplotlib adds it too, silently)
+        ("out/run.v2", None),  # a dot in the name: refused below
+        ("figs", "figs/curves.png"),  # an existing directory: curves.png in it
+        ("new/", "new/curves.png"),  # a trailing separator: a directory, made
+        ("a/b.PNG", "a/b.PNG"),
+    ],
+)
+def test_the_path_returned_is_the_file_written(tmp_path: Path, output: str, written: str | None) -> None:
+    run = _run(tmp_path / "run")
+    (tmp_path / "figs").mkdir()
+    before = {p for p in tmp_path.rglob("*")}
+    if written is None:
+        with pytest.raises(ValueError, match=r"run\.v2'\): plot_metrics writes a PNG.*run\.v2\.png'"):
+            plot_metrics(run, output=str(tmp_path / output))
+        assert {p for p in tmp_path.rglob("*")} == before  # refused before anything was drawn
+        return
+    png = plot_metrics(run, output=str(tmp_path / output) + ("/" if output.endswith("/") else ""))
+    assert png == tmp_path / written and png.read_bytes()[:4] == b"\x89PNG"
+    assert {p for p in tmp_path.rglob("*") if p.is_file()} - before == {png}  # that file, and only it

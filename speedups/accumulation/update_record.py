@@ -29,7 +29,8 @@ class UpdateRecord:
             none (it does with ``max_grad_norm``, an fp16 GradScaler or ``skip_nonfinite``).
         lrs: a list of the learning rate of every param group of every optimizer, as used by this step
             (read before the schedulers stepped), in optimizer then param-group order.
-        loss: this rank's mean loss over the window (see the property).
+        loss: this rank's mean loss over the window (see the property); :meth:`loss_totals` gives its sum
+            and count, which summed over the ranks give the job's mean.
     """
 
     __slots__ = (
@@ -71,6 +72,34 @@ class UpdateRecord:
         if self._loss is _UNREAD:
             self._loss = self._mean()
         return self._loss
+
+    def loss_totals(self) -> torch.Tensor | None:
+        """This rank's window loss as ``(sum, count)``: a detached float64 tensor of shape ``(2,)`` on the
+        loss's device (float32 on MPS), made with a few device ops and no sync.
+
+        ``sum / count`` is :attr:`loss`. For a bare mean loss: the sum of the calls' losses and the number
+        of calls; with ``(loss, num_items)``: the items' summed loss and the number of items. Summed over
+        the ranks (one all-reduce), ``sum / count`` is the job's mean: what one process would log with the
+        same global batch. None when :attr:`loss` is None.
+        """
+        parts = self._parts
+        if len(parts) != self.micro_steps or not parts:
+            return None
+        total = parts[0][0]
+        for part, _ in parts[1:]:
+            total = total + part
+        total = total.detach().reshape(())
+        dtype = torch.float32 if total.device.type == "mps" else torch.float64
+        total = total.to(dtype)
+        if not self._weighted:
+            return torch.stack([total, torch.full_like(total, len(parts))])
+        count: Any = 0
+        for _, n in parts:
+            count = count + n
+        if isinstance(count, torch.Tensor):  # on the loss's device: a copy from another device, no wait
+            count = count.detach().reshape(()).to(total.device, dtype, non_blocking=True)
+            return torch.stack([total, count])
+        return torch.stack([total, torch.full_like(total, float(count))])  # a fill: no host-device copy
 
     def _mean(self) -> torch.Tensor | None:
         parts = self._parts

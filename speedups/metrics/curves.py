@@ -56,21 +56,26 @@ def plot_metrics(source: str | os.PathLike[str], output: str | os.PathLike[str] 
     Args:
         source: a run directory (``log_dir`` of a :class:`~speedups.MetricLogger`), a ``metrics.csv`` or a
             ``metrics.jsonl``.
-        output: the PNG to write; None: ``curves.png`` beside the metrics file.
+        output: the PNG to write: a path ending in ``.png``, a name without a suffix (``.png`` is added),
+            or a directory (existing, or written with a trailing ``/``: ``curves.png`` in it); None:
+            ``curves.png`` beside the metrics file.
+
+    Returns:
+        The path of the file written.
 
     Raises:
         FileNotFoundError: nothing to read at ``source``.
-        ValueError: the file holds no metric.
+        ValueError: the file holds no metric; ``output`` has a suffix other than ``.png``.
         ImportError: matplotlib is not installed.
     """
+    source_path = Path(source)
+    if output is not None:
+        out = _png_path(source, output)
+    else:
+        out = (source_path if source_path.is_dir() else source_path.parent) / "curves.png"
     curves = read_metrics(source)
     if not curves:
         raise ValueError(f"plot_metrics({str(source)!r}): no metric in it; log some with MetricLogger.log().")
-    source_path = Path(source)
-    if output is not None:
-        out = Path(output)
-    else:
-        out = (source_path if source_path.is_dir() else source_path.parent) / "curves.png"
     columns = min(3, len(curves))
     rows = math.ceil(len(curves) / columns)
     fig = agg_figure((4.0 * columns, 2.8 * rows), needed_by="plot_metrics()")
@@ -94,3 +99,24 @@ def plot_metrics(source: str | os.PathLike[str], output: str | os.PathLike[str] 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
+
+
+def _png_path(source: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
+    """The file ``output`` names: itself (``.png``), with ``.png`` added (no suffix), or ``curves.png`` in
+    it (a directory, or a name ending in a separator).
+
+    Raises:
+        ValueError: another suffix (matplotlib would write another format, or refuse it).
+    """
+    text = os.fspath(output)
+    out = Path(text)
+    if out.is_dir() or text.endswith((os.sep, "/")):
+        return out / "curves.png"
+    if out.suffix.lower() == ".png":
+        return out
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    raise ValueError(
+        f"plot_metrics({str(source)!r}, output={text!r}): plot_metrics writes a PNG; {out.suffix!r} is "
+        f"another format. Write output={str(out.with_name(out.name + '.png'))!r}."
+    )

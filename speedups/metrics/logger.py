@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import numbers
 import os
 import warnings
@@ -25,6 +26,7 @@ from speedups.tracking import LossTracker
 __all__ = ["MetricLogger"]
 
 _CPU_READS_ARE_FREE = True  # a CPU tensor holds its value: reading it is no sync (tests turn this off)
+_ALONE_AFTER_S = 5.0  # log_update: seconds rank 0 waits, once, for the other ranks (tests lower it)
 _Tensor = torch.Tensor
 
 
@@ -34,10 +36,11 @@ class _Record:
     ``row`` holds the plain host values by name; ``pairs`` the host :class:`~speedups.LossTracker` values as
     ``(name, weighted sum, count)``; ``names`` the device slots, in the order of ``flat``: ``(name, False)``
     for a value (one element), ``(name, True)`` for a tracker (two: sum, count). ``order`` is the order the
-    names were logged in, kept in the row written.
+    names were logged in, kept in the row written. ``late`` holds ``(name, totals, work)``: a ``(sum, count)``
+    tensor an asynchronous all-reduce (``work``) is still summing, joined to ``flat`` by :meth:`settle`.
     """
 
-    __slots__ = ("flat", "names", "order", "pairs", "row", "step")
+    __slots__ = ("flat", "late", "names", "order", "pairs", "row", "step")
 
     def __init__(self, step: int, row: dict[str, float], order: tuple[str, ...]) -> None:
         self.step = step
@@ -46,6 +49,29 @@ class _Record:
         self.pairs: list[tuple[str, float, float]] | None = None
         self.names: list[tuple[str, bool]] | None = None
         self.flat: torch.Tensor | None = None
+        self.late: list[tuple[str, torch.Tensor, Any]] | None = None
+
+    def ready(self) -> bool:
+        """Whether every all-reduce of :attr:`late` has finished (a query, no wait)."""
+        return self.late is None or all(work is None or work.is_completed() for _, _, work in self.late)
+
+    def settle(self) -> None:
+        """Wait for the all-reduces of :attr:`late` and join their totals to ``flat`` as tracker slots.
+
+        A wait: under gloo, until every rank's all-reduce is done (issued updates ago, as a rule); under
+        NCCL the stream waits, not the host.
+        """
+        if self.late is None:
+            return
+        names = list(self.names or ())
+        parts = [] if self.flat is None else [self.flat.to(torch.float64)]
+        home = parts[0].device if parts else self.late[0][1].device
+        for name, totals, work in self.late:
+            if work is not None:
+                work.wait()
+            names.append((name, True))
+            parts.append(totals.to(home, torch.float64, non_blocking=True))
+        self.names, self.flat, self.late = names, torch.cat(parts), None
 
     def width(self) -> int:
         """How many numbers the record adds to an all-reduce: host values, tracker pairs, device values."""
@@ -91,6 +117,15 @@ class _Record:
                 out[name] = device[at] / world
                 at += 1
         return {name: out[name] for name in self.order if name in out}
+
+
+def _writer_now() -> bool | None:
+    """Whether this process writes (rank 0), where that is known when a logger is made: a launcher's
+    variables or a process group say, or a process nobody started (a script, a notebook) is the only one.
+    None in a child process before its process group (``mp.spawn``): decided at the first write."""
+    if env.pg_ready() or env.launch_style() != "single":
+        return env.rank() == 0
+    return True if multiprocessing.parent_process() is None else None
 
 
 def _ratio(total: float, count: float) -> float:
@@ -158,6 +193,9 @@ class _Batch:
 
     def __init__(self, pending: list[_Record | tuple[int, dict[str, float]]]) -> None:
         self.pending = pending
+        for record in pending:
+            if isinstance(record, _Record):
+                record.settle()
         flats = [r.flat for r in pending if isinstance(r, _Record) and r.flat is not None]
         self.values: torch.Tensor | None = None
         self.event: Any = None
@@ -266,19 +304,58 @@ class MetricLogger:
                 raise ValueError(
                     f"log_dir={str(folder)!r} is a file: expected a directory (made if missing)."
                 )
+        self._call = f"MetricLogger({short(log_dir)}, sinks={short(sinks)})"
         self.log_dir = folder
         self.every = every
         self.all_ranks = all_ranks
         self.enabled = enabled
-        self.sinks: list[Sink] = [make_sink(spec, self.log_dir) for spec in specs] if enabled else []
         self._pending: list[_Record | tuple[int, dict[str, float]]] = []  # logged, not staged: records,
         # or (step, row) for a step of host values only
         self._in_flight: list[_Batch] = []  # staged (copies started), written once landed
         self._last_step: int | None = None  # the last step logged
         self._floor = 0  # the lowest step log() takes: 0, then the last one logged
+        self._row_step: int | None = None  # the step of the last row logged, and how many rows it has
+        self._rows_at_step = 0
         self._latest: dict[str, float] = {}  # the last values written, by name (host floats)
-        self._writer: bool | None = None  # whether this rank writes: decided at the first write
+        self._writer: bool | None = _writer_now()  # whether this rank writes: None until it is known
+        self._global_loss: bool | None = None  # log_update: the job's loss (every rank calls it)
         self._closed = False
+        self.sinks: list[Sink] = [make_sink(spec, self.log_dir) for spec in specs] if enabled else []
+        if enabled and self._writer is not False:
+            self._make_dir()
+        if enabled and self._writer:
+            self._claim()
+
+    def _make_dir(self) -> None:
+        """Make ``log_dir`` now, so that a path that cannot be a directory fails here, not at a write."""
+        if self.log_dir is None:
+            return
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            writable = os.access(self.log_dir, os.W_OK | os.X_OK)
+        except OSError as err:
+            raise ValueError(
+                f"{self._call}: log_dir={str(self.log_dir)!r} cannot be made ({type(err).__name__}: "
+                f"{err.strerror or err}). Pass a directory this process can create and write, e.g. "
+                f"MetricLogger('runs/my_run')."
+            ) from None
+        if not writable:
+            raise ValueError(
+                f"{self._call}: log_dir={str(self.log_dir)!r} is not writable by this process. Pass a "
+                f"directory it can write, e.g. MetricLogger('runs/my_run')."
+            )
+
+    def _claim(self) -> None:
+        """Take every sink's files for this logger alone (the writer only); undone if one is taken."""
+        claimed: list[Sink] = []
+        try:
+            for sink in self.sinks:
+                sink.claim()
+                claimed.append(sink)
+        except SpeedupsError as err:
+            for sink in claimed:
+                sink.close()
+            raise SpeedupsError(f"{self._call}: {err}") from None
 
     # ------------------------------------------------------------------------------------------- log
     def log(self, step: int, /, **values: Any) -> None:
@@ -295,6 +372,10 @@ class MetricLogger:
         """
         if not self.enabled:
             return
+        self._log(step, values, None)
+
+    def _log(self, step: int, values: dict[str, Any], late: tuple[str, torch.Tensor, Any] | None) -> None:
+        """:meth:`log`, with ``late``: a ``(name, (sum, count) tensor, all-reduce work)`` of log_update."""
         if self._closed:
             raise SpeedupsError("MetricLogger.log(...): the logger is closed. Log before close().")
         if type(step) is not int or step < self._floor:
@@ -320,12 +401,21 @@ class MetricLogger:
             else:
                 rest = [] if rest is None else rest
                 rest.append((name, value))
-        if rest is not None:
+        record: _Record | tuple[int, dict[str, float]] | None = None
+        if late is not None:
+            order = (late[0], *values)
+            record = self._record(step, row, rest or [], order) or _Record(step, row, order)
+            record.late = [late]
+        elif rest is not None:
             record = self._record(step, row, rest, tuple(values))
-            if record is not None:
-                self._pending.append(record)
         elif row:
-            self._pending.append((step, row))
+            record = (step, row)
+        if record is not None:
+            self._pending.append(record)
+            if step == self._row_step:  # rows per step: a resume keeps those logged before its checkpoint
+                self._rows_at_step += 1
+            else:
+                self._row_step, self._rows_at_step = step, 1
         self._last_step = self._floor = step  # a step with no value (all None) writes no row
         if len(self._pending) >= self.every:
             self._flush(block=False)
@@ -403,22 +493,60 @@ class MetricLogger:
         """Log an ``@accumulate`` update at step ``num_updates``: ``loss``, ``lr`` (``lr_0``, ``lr_1``, ...
         with several param groups), ``grad_norm`` where computed, ``num_items`` where counted. No sync.
 
-        Register it as the step's hook: ``train_step.on_update(logger.log_update)``.
+        Register it as the step's hook on every rank: ``train_step.on_update(logger.log_update)``. Whose
+        values: ``loss`` is the job's mean over every rank's micro-batches of the window (weighted by the
+        items when the step returns ``(loss, num_items)``), what one process with the same global batch
+        logs; ``num_items`` counts every rank's items; ``grad_norm`` is the norm of the synced gradient the
+        optimizer applied, and ``lr`` the optimizer's, both the same on every rank.
+
+        Sync points: none. Under several processes the window's ``(sum, count)`` goes into one asynchronous
+        all-reduce per update (``async_op=True``), waited for when its row is written; ``all_ranks=True``
+        sums it in the flush's all-reduce instead. The first call checks, once, that every rank calls it
+        (a few store round trips); where rank 0 is alone after 5 s (the hook registered under ``if rank ==
+        0:``, a logger disabled elsewhere), it logs rank 0's own loss, with a warning.
+
+        Raises:
+            TypeError: ``record`` is not an :class:`~speedups.accumulation.UpdateRecord`.
         """
         if not isinstance(record, UpdateRecord):
             raise TypeError(
                 f"MetricLogger.log_update({short(record)}): expected the UpdateRecord an @accumulate step "
                 f"hands its hooks. Register it: train_step.on_update(logger.log_update)."
             )
+        if not self.enabled:
+            return
         lrs = record.lrs
         rates = {"lr": lrs[0]} if len(lrs) == 1 else {f"lr_{i}": lr for i, lr in enumerate(lrs)}
-        self.log(
-            record.num_updates,
-            loss=record.loss,
-            **rates,
-            grad_norm=record.grad_norm,
-            num_items=record.num_items,
-        )
+        values = {**rates, "grad_norm": record.grad_norm, "num_items": record.num_items}
+        totals = record.loss_totals() if self._job_loss() else None
+        if totals is None:  # one process, the loss of a window no hook saw, or rank 0 alone
+            self._log(record.num_updates, {"loss": record.loss, **values}, None)
+            return
+        work = None
+        if not self.all_ranks:  # every rank issues it here, at the same update: no wait now
+            if torch.distributed.get_backend() == "nccl" and totals.device.type != "cuda":
+                totals = totals.to(env.comm_device())
+            work = torch.distributed.all_reduce(totals, async_op=True)
+        self._log(record.num_updates, values, ("loss", totals, work))
+
+    def _job_loss(self) -> bool:
+        """Whether log_update logs the job's loss: several processes, every rank calling it (checked once)."""
+        if not (env.pg_ready() and env.world_size() > 1):
+            return False
+        if self.all_ranks:  # the flush is collective already: every rank logs
+            return True
+        if self._global_loss is None:
+            self._global_loss = arrive("MetricLogger.log_update", alone_after_s=_ALONE_AFTER_S)
+            if not self._global_loss and env.rank() == 0:
+                warnings.warn(
+                    f"MetricLogger.log_update: the other ranks did not call it within {_ALONE_AFTER_S:g} s "
+                    f"of rank 0's first update, so its 'loss' column is rank 0's own loss, not the job's "
+                    f"mean. Make the logger and register train_step.on_update(logger.log_update) on every "
+                    f"rank (not under `if rank == 0:`); rank 0 alone writes.",
+                    SpeedupsWarning,
+                    stacklevel=3,
+                )
+        return self._global_loss
 
     def _refuse_step(self, step: Any) -> None:
         if type(step) is not int:
@@ -432,12 +560,17 @@ class MetricLogger:
 
     # ----------------------------------------------------------------------------------------- write
     def _writes(self) -> bool:
-        """Whether this process is the writer (rank 0): decided at the first write, then kept."""
+        """Whether this process is the writer (rank 0): decided when made where the rank was known, else at
+        the first write (then the sinks are claimed), and kept."""
         if self._writer is None:
             self._writer = env.rank() == 0
+            if self._writer and self.enabled:
+                self._claim()
         return self._writer
 
     def _emit(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        if not rows:
+            return
         latest = self._latest
         for _, values in rows:
             latest.update(values)
@@ -453,14 +586,25 @@ class MetricLogger:
         if self.all_ranks and env.pg_ready() and env.world_size() > 1:
             self._reduce_and_write()  # a collective, and a read: every batch at once
             return
-        if not self._writes():  # not the writer: nothing to read, nothing to write
-            self._pending, self._in_flight = [], []
+        ready = self._pending if block else self._ready()
+        if not self._writes():  # not the writer: nothing to read, nothing to write (its all-reduces done)
+            for record in ready:
+                if isinstance(record, _Record):
+                    record.settle()
+            self._pending, self._in_flight = self._pending[len(ready) :], []
             return
-        if self._pending:
-            self._in_flight.append(_Batch(self._pending))
-            self._pending = []
+        if ready:
+            self._in_flight.append(_Batch(ready))
+            self._pending = self._pending[len(ready) :]
         while self._in_flight and (block or self._in_flight[0].landed()):
             self._emit(self._in_flight.pop(0).rows())
+
+    def _ready(self) -> list[_Record | tuple[int, dict[str, float]]]:
+        """The pending records, up to the first whose loss all-reduce (log_update) is still running."""
+        for at, record in enumerate(self._pending):
+            if isinstance(record, _Record) and not record.ready():
+                return self._pending[:at]
+        return self._pending
 
     def flush(self) -> None:
         """Read and write everything pending (one sync; with ``all_ranks``, one all-reduce on every rank)."""
@@ -474,8 +618,12 @@ class MetricLogger:
     def _reduce_and_write(self) -> None:
         """One all-reduce of every pending record's values, then the means are written (rank 0)."""
         pending = [_as_record(item) for item in self._pending]
+        for record in pending:
+            record.settle()
         # a rank that logged other rows fails here, and every rank with it, before the all-reduce
         arrive("MetricLogger.flush", token=_layout(pending))
+        if not pending:  # every rank has nothing pending (they agreed above): no collective, no row
+            return
         dist = torch.distributed
         device = env.comm_device()  # this rank's GPU under NCCL, whatever the current device is
         self._pending = []
@@ -544,14 +692,16 @@ class MetricLogger:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The logger's position: the last step logged, after a flush (so the files hold it).
+        """The logger's position: the last step logged and how many rows it has, after a flush (so the
+        files hold them).
 
-        A resumed run's :meth:`load_state_dict` makes the sinks keep what was written up to that step and
-        append after it: every step once, none missing, none twice. A sync and, with ``all_ranks``, a
-        collective (the flush).
+        A resumed run's :meth:`load_state_dict` makes the sinks keep what was written up to that step (at
+        that step, the rows logged before the save: a checkpoint saved mid-window) and append after it:
+        every row once, none missing, none twice. A sync and, with ``all_ranks``, a collective (the flush).
         """
         self.flush()
-        return {"step": self._last_step}
+        rows = self._rows_at_step if self._row_step is not None and self._row_step == self._last_step else 0
+        return {"step": self._last_step, "rows_at_step": rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the saved step (see :meth:`state_dict`); the sinks drop rows written after it.
@@ -560,12 +710,14 @@ class MetricLogger:
             ValueError: ``state`` is not what :meth:`state_dict` returns (nothing changed).
         """
         self._check_state(state)
+        rows = state.get("rows_at_step")  # absent in older checkpoints: every row at the step is kept
         self._last_step = state["step"]
         self._floor = 0 if state["step"] is None else state["step"]
+        self._row_step, self._rows_at_step = state["step"], rows or 0
         self._pending, self._in_flight = [], []
         if state["step"] is not None:
             for sink in self.sinks:
-                sink.resume(state["step"])
+                sink.resume_rows(state["step"], rows)
 
     def _merge_rank_states(self, states: list[Any], change: Any) -> dict[str, Any]:
         """On another number of processes: the writer's (rank 0's) position (``load_checkpoint`` calls it)."""
@@ -574,8 +726,13 @@ class MetricLogger:
 
     def _check_state(self, state: Any) -> None:
         step = state.get("step", -1) if isinstance(state, Mapping) else -1
-        if not isinstance(state, Mapping) or (step is not None and (type(step) is not int or step < 0)):
+        rows = state.get("rows_at_step") if isinstance(state, Mapping) else None
+        if (
+            not isinstance(state, Mapping)
+            or (step is not None and (type(step) is not int or step < 0))
+            or (rows is not None and (type(rows) is not int or rows < 0))
+        ):
             raise ValueError(
                 f"MetricLogger.load_state_dict({short(state)}): expected what MetricLogger.state_dict() "
-                f"returns, {{'step': int or None}}."
+                f"returns, {{'step': int or None, 'rows_at_step': int >= 0}}."
             )

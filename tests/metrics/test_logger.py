@@ -107,7 +107,7 @@ def test_a_resumed_run_writes_every_step_once(tmp_path: Path) -> None:
         logger.log(step, loss=torch.tensor(float(step)))
         if step == 5:
             save_checkpoint(tmp_path / "ckpt.pt", logger=logger, step=step)
-    logger.flush()  # the crash: rows 6..8 were written but the checkpoint knows step 5
+    logger.close()  # the crash: rows 6..8 were written but the checkpoint knows step 5
     resumed = MetricLogger(tmp_path, sinks=["csv", "jsonl"])
     assert load_checkpoint(tmp_path / "ckpt.pt", logger=resumed)["step"] == 5
     with pytest.raises(ValueError, match=r"steps must not go back; the last one logged was 5"):
@@ -281,7 +281,8 @@ def test_two_ranks_write_one_file_with_the_global_values_one_collective_per_flus
         assert all(float(r["lr"]) == pytest.approx(0.15, abs=1e-15) for r in rows[:10])
         assert rows[10]["eval"] == "0.5" and rows[10]["loss"] == ""
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["device", "metrics.csv", "metrics.jsonl", "rank0"]  # one writer; nothing from "odd"
+    assert written == ["device", "metrics.csv", "metrics.jsonl", "odd", "rank0"]  # one writer, no lock left
+    assert list((tmp_path / "odd").iterdir()) == []  # made when the logger was; nothing written
     refused = sorted(line for line in out.stdout.splitlines() if "refused" in line)
     assert [line[:14] for line in refused] == ["rank0 refused:", "rank1 refused:"]
     assert all("do not agree on what to reduce" in line and "grad_norm" in line for line in refused)

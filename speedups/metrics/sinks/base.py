@@ -30,8 +30,24 @@ class Sink:
         for step, values in rows:
             self.write(step, values)
 
+    def claim(self) -> None:
+        """Take what this sink alone may write, before its first row: a file sink locks its file.
+
+        Called on the writing rank when the logger is made (or at its first write where the rank is not yet
+        known); released by :meth:`close`. By default nothing.
+
+        Raises:
+            SpeedupsError: another writer holds it (the message names the file and the fixes).
+        """
+
     def resume(self, after_step: int) -> None:
         """A resumed run appends after ``after_step``: forget (or hide) whatever was written later."""
+
+    def resume_rows(self, after_step: int, rows_at_step: int | None) -> None:
+        """Like :meth:`resume`, and of the rows written at ``after_step`` itself keep only the first
+        ``rows_at_step`` (the ones logged before the checkpoint was saved; None: all of them). By default
+        :meth:`resume` (a sink that cannot drop single rows keeps them all)."""
+        self.resume(after_step)
 
     def flush(self) -> None:
         """Make what was written durable (a file flushed, a tracker's buffer sent)."""

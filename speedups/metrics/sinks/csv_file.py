@@ -15,7 +15,9 @@ __all__ = ["CSVSink"]
 class CSVSink(FileSink):
     """Rows of ``step,<metric>,...`` in ``path``; a metric that first appears later widens the file once
     (the header is rewritten, earlier rows get an empty cell). Opened when the first row is written: a new
-    run starts the file afresh, a resumed one keeps the rows up to its step."""
+    run moves an earlier run's file aside (see :class:`~speedups.metrics.sinks.file_sink.FileSink`), a
+    resumed one keeps the rows up to its step. Lines end in ``\n`` only (the csv module's default is
+    ``\r\n``)."""
 
     name = "csv"
 
@@ -31,22 +33,22 @@ class CSVSink(FileSink):
         lines = complete_lines(self.path)
         reader = csv.DictReader(lines)
         self.columns = [c for c in (reader.fieldnames or []) if c != "step"]
-        return [row for row in reader if row.get("step") and int(row["step"]) <= self._resume_after]
+        return self._kept(list(reader), lambda row: int(row["step"]) if row.get("step") else None)
 
     def _open(self, columns: list[str], rows: list[dict[str, str]]) -> None:
         if self._file is not None:
             self._file.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns = columns
         self._known = set(columns)
         self._order = tuple(columns)
         self._file = open(self.path, "w", newline="")  # noqa: SIM115 - kept open across writes
-        writer = csv.DictWriter(self._file, fieldnames=["step", *columns], restval="")
+        writer = csv.DictWriter(self._file, fieldnames=["step", *columns], restval="", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         if self._file is None:
+            self._prepare()
             kept = self._rows_kept()
             self._open(self.columns, kept)
         if len(values) > len(self._known) or not self._known.issuperset(values):
