@@ -1,8 +1,11 @@
-"""Tip 1: a DataLoader with fast defaults, seeded workers, and a pickling check before any worker starts.
+"""Tip 1: a DataLoader with fast defaults, sheltered workers, and a pickling check before any worker starts.
 
 ``fast_loader(dataset, batch_size)`` returns a plain :class:`torch.utils.data.DataLoader` with worker
-processes sized to the CPUs this process may use, persistent workers, pinned memory only where CUDA is used,
-and worker seeding that gives every worker and every epoch its own ``numpy`` and ``random`` streams.
+processes sized to the CPUs this process may use, pinned memory only where CUDA is used, and workers that
+outlive a stop signal until the main process has saved. What it yields, and every number it draws from the
+main process's random streams, epoch after epoch, are those of ``DataLoader`` with the same arguments:
+torch seeds each worker's torch, ``random`` and numpy streams from the epoch's base seed, and the workers
+restart each epoch (persistent workers draw that seed once, which would shift every later draw).
 
 Under the ``spawn`` and ``forkserver`` start methods (the default on macOS, Windows and Python 3.14) what a
 worker needs is test-pickled first, so a lambda ``collate_fn`` fails early with a message that names it,
@@ -79,14 +82,19 @@ def fast_loader(
     CPU this process may use, shared among the node's processes (``LOCAL_WORLD_SIZE``), or 0 for an
     ``IterableDataset`` (one :class:`~speedups.SpeedupsWarning`, as for a stream read by several ranks or
     workers: each would replay it; ``distributed()`` splits it, or the dataset declares
-    ``splits_by_rank = True``); with workers, ``persistent_workers=True`` and a ``prefetch_factor`` that
-    keeps 4 batches in flight; persistent workers stay off for a dataset with ``set_epoch`` (or wrapping
-    one), since workers started once would keep its epoch-0 state: they restart each epoch, as a plain
-    ``DataLoader``'s do;
-    ``pin_memory`` only with CUDA; a ``worker_init_fn`` that seeds ``numpy`` and ``random`` in each worker
-    from torch's per-worker seed and then calls yours, so every worker and epoch draws its own numbers,
-    reproducibly from ``seed`` or ``generator``. Any other keyword goes to ``DataLoader`` and wins. It does
-    not help a ``TensorDataset`` already in memory: measure with :func:`~speedups.tune_loader`.
+    ``splits_by_rank = True``); with workers, a ``prefetch_factor`` that keeps 4 batches in flight and a
+    ``worker_init_fn`` that shelters them from stop signals, then calls yours; ``pin_memory`` only with
+    CUDA. Any other keyword goes to ``DataLoader`` and wins. It does not help a ``TensorDataset`` already in
+    memory: measure with :func:`~speedups.tune_loader`.
+
+    What it yields and what it draws from the main process's RNG (or ``generator``), epoch after epoch, are
+    the same ``DataLoader``'s, bit for bit: torch seeds each worker's torch, ``random`` and numpy streams
+    from a base seed it draws every epoch, reproducibly from ``seed`` or ``generator``. So workers do not
+    persist by default: persistent workers draw that seed once, which shifts every later draw (the next
+    epoch's shuffle, the loop's own noise) and the workers' augmentation from the second epoch on; pass
+    ``persistent_workers=True`` to save their start-up each epoch at that price. With ``sample_seeds=True``
+    (and no ``generator=``) nothing depends on it, and workers persist (except for a dataset with
+    ``set_epoch``, or wrapping one, whose per-epoch state only reaches fresh workers).
 
     ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
     so random augmentation gives the same batches for any workers, world size or resume; the order becomes
@@ -183,9 +191,12 @@ def fast_loader(
     )
     if workers > 0:
         release_workers_at_exit()  # its workers ignore SIGTERM: never let the exit wait for them
-        # A dataset whose state changes per epoch (set_epoch) must reach fresh workers each epoch, as it does
-        # with a plain DataLoader; persistent workers would silently keep their epoch-0 copy of it.
-        kwargs.setdefault("persistent_workers", not has_per_epoch_state(dataset))
+        # Persistent workers draw their base seed once, where DataLoader's restarted workers draw it every
+        # epoch: every later draw of the main process (the next shuffle, the loop's own) would shift. Only
+        # per-sample seeds, whose base seed then comes from a generator of their own, make that invisible; a
+        # dataset whose state changes per epoch (set_epoch) must reach fresh workers in any case.
+        own_seeds = sample_seeds and dataloader_kwargs.get("generator") is None
+        kwargs.setdefault("persistent_workers", own_seeds and not has_per_epoch_state(dataset))
         kwargs.setdefault("prefetch_factor", _default_prefetch(workers))
         method = start_method(kwargs.get("multiprocessing_context"))
         bad = unpicklable_for_workers(method, dataset, kwargs.get("collate_fn"), user_init)

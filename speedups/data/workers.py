@@ -1,5 +1,5 @@
-"""What DataLoader worker processes need: their seeding, their start method, a pickling check, and shelter
-from the signals that stop a run.
+"""What DataLoader worker processes need: their start method, a pickling check, and shelter from the signals
+that stop a run (their random streams stay as torch seeds them, as in a plain ``DataLoader``).
 
 A preempted job gets SIGTERM (or SIGUSR1) in every process, loader workers included (torchrun signals each
 worker's whole process group; SLURM every process of the step). A worker that dies of it makes the main
@@ -25,13 +25,11 @@ import inspect
 import multiprocessing
 import os
 import pickle
-import random
 import signal
 import threading
 from collections.abc import Callable
 
-import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader
 
 __all__ = [
     "PICKLING_START_METHODS",
@@ -128,24 +126,18 @@ def _release_sheltered_workers() -> None:
 
 
 def seed_worker(worker_id: int, init_fn: Callable[[int], object] | None = None) -> None:
-    """Seed ``numpy`` and ``random`` in a DataLoader worker from torch's worker seed, then call ``init_fn``.
+    """A DataLoader worker's ``worker_init_fn``: ignore :data:`STOP_SIGNALS`, then call ``init_fn``.
 
-    torch gives each worker ``base_seed + worker_id`` as its torch seed (``get_worker_info().seed``), where
-    ``base_seed`` is drawn from the loader's ``generator`` (or the global torch RNG) each time an epoch's
-    workers start. Deriving the other two streams from it makes them distinct across workers and epochs and
-    reproducible from the generator's seed. Module-level (not a closure) so it pickles under ``spawn``. The
-    worker ignores :data:`STOP_SIGNALS`, so a preempted main process can still save.
+    The worker's random streams are left exactly as torch seeded them, so its draws are a plain
+    ``DataLoader``'s: torch seeds the worker's torch generator and ``random`` with ``base_seed + worker_id``
+    and numpy's global ``RandomState`` from ``(base_seed, worker_id)``, where ``base_seed`` is drawn from the
+    loader's ``generator`` (or the global torch RNG) each time an epoch's workers start. Every worker and
+    epoch thus draws its own numbers, reproducibly from the generator's seed; reseeding any of them here
+    would make a port's augmentation differ from its original's. Module-level (not a closure) so it pickles
+    under ``spawn``. The worker ignores the stop signals, so a preempted main
+    process can still save.
     """
     _ignore_stop_signals()
-    info = get_worker_info()
-    seed = info.seed if info is not None else torch.initial_seed()
-    random.seed(f"speedups-worker-{seed}")  # str seeds go through SHA-512: stable across runs
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional
-        pass
-    else:
-        np.random.seed(np.random.SeedSequence(seed).generate_state(4))
     if init_fn is not None:
         init_fn(worker_id)
 

@@ -5,11 +5,15 @@ Multi-process runs (real torchrun jobs) are in tests/test_distributed_jobs.py.
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from speedups import DistributedLoader, SpeedupsError, distributed
+from speedups import DistributedLoader, SpeedupsError, distributed, fast_loader
+from tests._loading_data import Augmented
 
 
 def _flat(loader) -> list[int]:
@@ -252,3 +256,79 @@ def test_a_stream_that_splits_itself_is_left_whole_and_shuffle_is_refused() -> N
     assert [b.tolist() for b in loader] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # its own split: untouched
     with pytest.raises(ValueError, match=r"IterableDataset is read in its own order.* shuffle=None"):
         distributed(DataLoader(_Numbers(6), batch_size=3), shuffle=True, rank=0, world_size=2)
+
+
+# ------------------------------------ draw order: the DataLoader with a DistributedSampler it replaces
+FORK = "fork" in torch.multiprocessing.get_all_start_methods()
+
+
+def _epochs_and_draws(loader_for_epoch, epochs: int = 3) -> list[torch.Tensor]:
+    """Each epoch's batches (with augmentation drawn from torch, random and numpy), then the main
+    process's next torch, random and numpy draws, from seed 0 in all three."""
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    seen = []
+    for epoch in range(epochs):
+        seen.append(torch.cat(list(loader_for_epoch(epoch))))
+        seen.append(
+            torch.tensor([*torch.rand(3, dtype=torch.float64).tolist(), random.random(), np.random.rand()])
+        )
+    return seen
+
+
+@pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
+@pytest.mark.parametrize(
+    "workers",
+    [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}],
+    ids=["0 workers", "2 workers", "2 persistent workers"],
+)
+@pytest.mark.parametrize("made_by", ["fast_loader", "DataLoader"])
+def test_batches_and_main_draws_are_those_of_a_dataloader_with_a_distributed_sampler(
+    workers, made_by
+) -> None:
+    """distributed(loader) draws what the torchrun script it replaces draws (DistributedSampler and
+    set_epoch by hand): every batch with its augmentation, and every later draw of the main process."""
+    data = Augmented(12)
+    kw = workers | ({"multiprocessing_context": "fork"} if workers["num_workers"] else {})
+    build = fast_loader if made_by == "fast_loader" else DataLoader
+    split = None
+
+    def plain(epoch: int) -> DataLoader:
+        nonlocal split
+        if split is None:
+            sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            split = DataLoader(data, 4, sampler=sampler, **kw)
+        split.sampler.set_epoch(epoch)
+        return split
+
+    ours = None
+
+    def mine(epoch: int) -> DataLoader:
+        nonlocal ours
+        if ours is None:
+            ours = distributed(build(data, 4, shuffle=True, **kw), rank=0, world_size=1)
+        return ours
+
+    want, got = _epochs_and_draws(plain), _epochs_and_draws(mine)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(a, b), f"epoch {i // 2 + 1}: {'batches' if i % 2 == 0 else 'main draws'} differ"
+    assert not torch.equal(want[0], want[2])
+
+
+@pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
+@pytest.mark.parametrize("workers", [0, 2], ids=["0 workers", "2 persistent workers"])
+def test_with_sample_seeds_loading_draws_nothing_from_the_main_process_epoch_after_epoch(workers) -> None:
+    data = Augmented(12)
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    untouched = [
+        torch.tensor([*torch.rand(3, dtype=torch.float64).tolist(), random.random(), np.random.rand()])
+        for _ in range(3)
+    ]
+    loader = distributed(
+        fast_loader(data, 4, shuffle=True, sample_seeds=True, num_workers=workers),
+        seed=0,
+        rank=0,
+        world_size=1,
+    )
+    assert loader.persistent_workers is bool(workers)
+    got = _epochs_and_draws(lambda epoch: loader)
+    assert all(torch.equal(a, b) for a, b in zip(untouched, got[1::2], strict=True))

@@ -5,15 +5,25 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from speedups import SpeedupsError, SpeedupsWarning, fast_loader
 from speedups.data.workers import seed_worker
-from tests._loading_data import EpochItems, SeedProbe, Squares, Stream, identity_collate, record_init
+from tests._loading_data import (
+    Augmented,
+    EpochItems,
+    SeedProbe,
+    Squares,
+    Stream,
+    identity_collate,
+    record_init,
+)
 
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
 needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
@@ -133,7 +143,7 @@ def test_auto_workers_use_affinity_divided_by_local_processes(monkeypatch: pytes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     loader = fast_loader(list(range(16)), 4)
     assert loader.num_workers == 4
-    assert loader.persistent_workers and loader.prefetch_factor == 2
+    assert not loader.persistent_workers and loader.prefetch_factor == 2  # DataLoader's draws: see below
     assert loader.pin_memory is torch.cuda.is_available()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     loader = fast_loader(list(range(16)), 4, prefetch_factor=3, persistent_workers=True)
@@ -236,7 +246,9 @@ def test_persistent_workers_stay_off_for_datasets_wrapping_one_with_set_epoch() 
     ds = EpochItems(8)
     for wrapped in (ds, Subset(ds, [0, 1, 2]), ConcatDataset([Squares(4), Subset(ds, [1])])):
         assert fast_loader(wrapped, 2, num_workers=2).persistent_workers is False
-    assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is True  # no per-epoch state
+    assert fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True).persistent_workers is True
+    for wrapped in (ds, Subset(ds, [0, 1, 2])):  # per-sample seeds do not bring per-epoch state to workers
+        assert fast_loader(wrapped, 2, num_workers=2, sample_seeds=True).persistent_workers is False
     # An explicit choice wins, as with DataLoader itself (whose persistent workers behave the same).
     assert fast_loader(ds, 2, num_workers=2, persistent_workers=True).persistent_workers is True
 
@@ -273,3 +285,58 @@ def test_a_leftover_local_world_size_outside_a_job_is_ignored_and_named(monkeypa
     with pytest.warns(SpeedupsWarning, match=r"LOCAL_WORLD_SIZE=8 but the job has 1 process"):
         loader = fast_loader(list(range(8)), 2)
     assert loader.num_workers == 4  # this process's CPUs, not 4 // 8 = 0
+
+
+# ---------------------------------------------- draw order: the DataLoader it replaces, epoch after epoch
+def _epochs_and_draws(make, epochs: int = 3) -> list[torch.Tensor]:
+    """Each epoch's batches (indices and augmentation draws), then the main process's next torch, random
+    and numpy draws (as a loop's own noise), from seed 0 in all three."""
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    loader = make()
+    seen = []
+    for _ in range(epochs):
+        seen.append(torch.cat(list(loader)))
+        seen.append(torch.cat([torch.rand(3, dtype=torch.float64), torch.tensor([random.random()])]))
+        seen.append(torch.tensor([np.random.rand()]))
+    return seen
+
+
+@needs_fork
+@pytest.mark.parametrize("generator", [False, True], ids=["global RNG", "generator="])
+@pytest.mark.parametrize(
+    "workers",
+    [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}],
+    ids=["0 workers", "2 workers", "2 persistent workers (asked)"],
+)
+def test_batches_and_the_main_processs_draws_are_the_plain_dataloaders_epoch_after_epoch(
+    workers: dict, generator: bool
+) -> None:
+    """What a port to fast_loader keeps: every batch, with random augmentation drawn in the workers from
+    torch, random and numpy, and every later draw of the main process (the next epoch's shuffle, the
+    loop's own noise), bit for bit, over 3 epochs. (Persistent workers, fast_loader's default before, draw
+    the workers' base seed once: from epoch 2 on both differed.)"""
+    data = Augmented(12)
+
+    def kw() -> dict:
+        extra = {"multiprocessing_context": "fork"} if workers["num_workers"] else {}
+        return workers | extra | ({"generator": torch.Generator().manual_seed(5)} if generator else {})
+
+    plain = _epochs_and_draws(lambda: DataLoader(data, 4, shuffle=True, **kw()))
+    fast = _epochs_and_draws(lambda: fast_loader(data, 4, shuffle=True, **kw()))
+    for i, (want, got) in enumerate(zip(plain, fast, strict=True)):
+        assert torch.equal(want, got), f"epoch {i // 3 + 1}, {['batches', 'main draws', 'numpy'][i % 3]}"
+    assert not torch.equal(plain[0], plain[3])  # the epochs differ: the comparison has teeth
+
+
+def test_workers_persist_by_default_only_where_nothing_depends_on_it() -> None:
+    mine = torch.Generator().manual_seed(1)
+    assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is False
+    assert fast_loader(Squares(4), 2, num_workers=2, seed=3).persistent_workers is False
+    assert fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True).persistent_workers is True
+    assert fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True, seed=3).persistent_workers is True
+    # a generator of the user's feeds the workers' base seeds: drawn every epoch, as DataLoader does
+    assert (
+        fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True, generator=mine).persistent_workers
+        is False
+    )
+    assert fast_loader(Squares(4), 2, num_workers=2, persistent_workers=True).persistent_workers is True

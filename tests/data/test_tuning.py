@@ -117,8 +117,15 @@ def test_tuned_loader_yields_the_same_batches_in_the_same_order(kind: str) -> No
 
 @needs_fork
 def test_persistent_loader_is_not_tuned_down_to_zero_workers_and_keeps_its_order() -> None:
-    loader = fast_loader(Squares(23), 4, shuffle=True, num_workers=2, seed=0, multiprocessing_context="fork")
-    assert loader.persistent_workers
+    loader = fast_loader(
+        Squares(23),
+        4,
+        shuffle=True,
+        num_workers=2,
+        seed=0,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
     tuned, report = tune_loader(loader, max_seconds=1.5, progress=False)
     assert all(t.num_workers > 0 for t in report.trials) and "0 workers was not timed" in report.reason
     assert tuned.persistent_workers and tuned.num_workers > 0
