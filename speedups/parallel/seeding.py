@@ -17,7 +17,9 @@ def seed_everything(seed: int) -> int:
     Call it once at the start, with the same seed on every rank: models then start identical (DDP also
     broadcasts rank 0's weights) and :func:`~speedups.distributed` loaders agree on the order. Dropout
     masks are then the same on every rank too; add the rank (``seed + rank``) after wrapping if that
-    matters to you.
+    matters to you. DataLoader workers follow: torch seeds each worker's torch, ``random`` and numpy from
+    a base seed drawn from the global torch RNG (or the loader's ``generator``) every epoch.
+    :class:`~speedups.deterministic` seeds through it and also makes torch's kernels deterministic.
 
     Args:
         seed: an int in [0, 2**32 - 1] (NumPy's range).
