@@ -21,6 +21,7 @@ from speedups._helpers import validate
 __all__ = [
     "ScalerSink",
     "apply_update",
+    "check_clipping",
     "check_max_grad_norm",
     "current_step",
     "grads_of",
@@ -51,6 +52,25 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
         ValueError: not a positive finite number.
     """
     return validate.real(max_grad_norm, "max_grad_norm", positive=True, none_ok=True, example="1.0")
+
+
+def check_clipping(max_grad_norm: object, max_grad_value: object) -> tuple[float | None, float | None]:
+    """Validate the two ways to clip (``max_grad_norm=``, ``max_grad_value=``): each a positive finite number
+    or None, and not both. Callers put the call as written in front of the message.
+
+    Raises:
+        TypeError: not a real number or None.
+        ValueError: not a positive finite number; both given.
+    """
+    norm = check_max_grad_norm(max_grad_norm)
+    value = validate.real(max_grad_value, "max_grad_value", positive=True, none_ok=True, example="0.5")
+    if norm is not None and value is not None:
+        raise ValueError(
+            f"max_grad_norm={norm!r}, max_grad_value={value!r}: these are two ways to clip; give one. Clip "
+            f"the total norm (max_grad_norm=1.0, the usual choice) or each element (max_grad_value=0.5); for "
+            f"both, clip by value yourself in train_step.before_update(fn)."
+        )
+    return norm, value
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -88,6 +108,8 @@ def apply_update(
     skip_nonfinite: bool,
     params: Callable[[], Sequence[torch.Tensor]],
     probe: torch.Tensor | None = None,
+    max_grad_value: float | None = None,
+    before_step: Callable[[], object] | None = None,
 ) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
     """Unscale once per optimizer, multiply the gradients by ``factor``, clip, then step them all or none.
 
@@ -99,6 +121,9 @@ def apply_update(
     GradScaler cannot report), and ``GradScaler.update`` backs the scale off. Without a scaler and with
     ``skip_nonfinite``, ``probe`` (non-finite exactly when the step must not happen), else the norm, decides.
     Reading the decision is one host-device sync; without a scaler or ``skip_nonfinite`` there is none.
+    ``max_grad_value`` clamps every gradient element to ``[-v, v]`` after that decision (an fp16 overflow
+    still skips, as ``GradScaler.step`` skips after ``unscale_`` and ``clip_grad_value_``); ``before_step()``
+    runs last, on the final gradients, only when the optimizers will step.
 
     Returns:
         ``(stepped, grad_norm, checked)``: whether the optimizers stepped (a Python bool); the total gradient
@@ -124,6 +149,10 @@ def apply_update(
         if scaler is not None:
             scaler.update()  # backs the scale off (the inf checks were recorded by unscale_)
         return False, norm, decider
+    if max_grad_value is not None:
+        torch.nn.utils.clip_grad_value_([p for p in params() if p.grad is not None], max_grad_value)
+    if before_step is not None:
+        before_step()
     for optimizer in optimizers:
         optimizer.step()  # unscaled and checked above: what GradScaler.step would run
     if scaler is not None:

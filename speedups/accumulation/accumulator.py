@@ -42,6 +42,7 @@ from speedups.accumulation.checks import (
 from speedups.accumulation.grad_sync import GradSync, SyncKind, count_dtype
 from speedups.accumulation.micro_batching import MicroBatcher
 from speedups.accumulation.output import as_loss_and_items, result_of
+from speedups.accumulation.ownership import OWNERSHIP
 from speedups.accumulation.update_record import UpdateRecord
 from speedups.accumulation.zero_items import GradMask, Keep, keep_of
 from speedups.data.distributed_loader import DistributedLoader
@@ -84,12 +85,14 @@ class Accumulator:
         *,
         model: torch.nn.Module | None = None,
         guard: bool = True,
+        max_grad_value: float | None = None,
     ) -> None:
         self.every = every
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.model = model  # its parameters' order is the gradient norm's order
         self.max_grad_norm = max_grad_norm
+        self.max_grad_value = max_grad_value
         self.scaler: torch.amp.GradScaler | None = None
         self.mode: _Mode | None = None  # fixed by the first call
         self.step = 0  # micro-steps so far
@@ -120,13 +123,23 @@ class Accumulator:
         self.stand_in = False  # the scaler is the step's own, built by a flush before mixed_precision's came
         # on_update hooks by handle id: an OrderedDict, as torch's (a RemovableHandle holds it weakly)
         self.hooks: OrderedDict[int, Callable[[UpdateRecord], Any]] = OrderedDict()
+        self.before_hooks: OrderedDict[int, Callable[[list[torch.Tensor]], Any]] = OrderedDict()
         self.window_log: list[tuple[torch.Tensor, Any]] = []  # per call (loss or loss * items, items)
         self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
         self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
         self.warned_zero_grad = False
         self.feed: dict[str, int] | None = None  # the layout of the DistributedLoader epoch() iterates
         # The optimizers' parameters (and in the norm's order), made again only when a param group is added.
-        self._params: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+        self._params: tuple[list[tuple[int, int]], list[torch.Tensor], list[torch.Tensor], set[int]] = (
+            [],
+            [],
+            [],
+            set(),
+        )
+        self.warned_strays = False
+        self.warned_inner_backward = False
+        self.clean_start = True  # the open window started with no gradient (see _drop_strays)
+        OWNERSHIP.add(self)
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
             for optimizer in optimizers:
@@ -153,11 +166,29 @@ class Accumulator:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """The wrapt wrapper: one micro-step."""
+        if torch.compiler.is_compiling():  # dynamo traces this frame (a graph break led here): run eagerly
+            return torch.compiler.disable(self.__call__)(wrapped, instance, args, kwargs)
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
         sentinel = self.sentinel
         if sentinel is not None and sentinel.grad is None and self.pending:  # zero_grad() by hand
             self._warn_zero_grad()
+        if not self.pending:  # a window starts: with no gradient this step did not make
+            self._drop_strays()
+        foreign = OWNERSHIP.foreign_to(self)  # other steps' parameters: [] in a one-step script
+        if not foreign:
+            return self._call(wrapped, args, kwargs)
+        kept = [p.grad for p in foreign]  # set aside: what this call's backward leaves there is dropped
+        for p in foreign:
+            p.grad = None
+        try:
+            return self._call(wrapped, args, kwargs)
+        finally:
+            for p, grad in zip(foreign, kept, strict=True):
+                p.grad = grad
+
+    def _call(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One micro-step: the user's function, its backward and, at a boundary, the update."""
         if self.micro is not None:  # the call's batch split into micro-batches
             return self._call_micro(self.micro, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
@@ -168,8 +199,10 @@ class Accumulator:
             with ctx:
                 out = wrapped(*args, **kwargs)
                 loss, n = self.parse(out)
-                if self.scaler is None and self.pending == 0:  # once a window: an outer autocast spans it
-                    check_outer_autocast(loss.device.type)
+                if self.pending == 0:  # once a window
+                    if self.scaler is None:  # an outer autocast spans it
+                        check_outer_autocast(loss.device.type)
+                    self._check_inner_backward()
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
                 keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
@@ -200,7 +233,7 @@ class Accumulator:
         if boundary:
             if work is not None:
                 work.wait()
-            self._update(synced=True, before=True)
+            self._update(synced=True, depth=2, before=True)  # here, _call, __call__
         return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
     def _call_micro(
@@ -231,7 +264,7 @@ class Accumulator:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
             else:
-                self._update(synced=True, depth=2)  # here, then __call__
+                self._update(synced=True, depth=3)  # here, _call, then __call__
         return result_of(out, loss, n)
 
     # ------------------------------------------------------- what the micro-batcher uses (MicroBatchHost)
@@ -242,6 +275,8 @@ class Accumulator:
         first micro-batch (with an empty window, its item count is the window's weight reference).
         """
         keep: Keep = None
+        if first_piece and self.pending == 0:
+            self._check_inner_backward()
         if n is None:
             target, scale = loss, weight * self.inv_every
         else:
@@ -268,17 +303,22 @@ class Accumulator:
         """The optimizers' parameters in their order, and in the order the gradient norm sums them:
         ``model.parameters()``'s where ``model=`` was given (as ``clip_grad_norm_(model.parameters())``
         sums), the others after. Cached while no optimizer gains a param group."""
-        shape = [len(opt.param_groups) for opt in self.optimizers]
-        if shape != self._params[0]:
+        shape = [(id(g["params"]), len(g["params"])) for opt in self.optimizers for g in opt.param_groups]
+        if shape != self._params[0]:  # a param group added, or parameters added to (or taken from) one
             params = params_of(self.optimizers)
             order = params
+            ids = {id(p) for p in params}
             if self.model is not None:
-                ids = {id(p) for p in params}
                 first = [p for p in self.model.parameters() if id(p) in ids]
                 placed = {id(p) for p in first}
                 order = first + [p for p in params if id(p) not in placed]
-            self._params = (shape, params, order)
+            self._params = (shape, params, order, ids)
         return self._params[1], self._params[2]
+
+    def owned_ids(self) -> set[int]:
+        """The ids of the optimizers' parameters (see :mod:`~speedups.accumulation.ownership`)."""
+        self._parameters()
+        return self._params[3]
 
     def window_counts(self) -> tuple[float, torch.Tensor | None, Any]:
         """The open window's item counts and weight reference."""
@@ -396,7 +436,7 @@ class Accumulator:
 
     def _update(self, synced: bool, depth: int = 1, *, before: bool = False) -> None:
         """Apply the window (see ``apply_update``). ``depth``: the frames between this call and the user's
-        code, for the warnings (1 from ``__call__``; 2 from ``flush``, through ``Step.flush`` or ``epoch``).
+        code, for the warnings (2 from ``_call``; 2 from ``flush``, through ``Step.flush`` or ``epoch``).
         ``before``: tell the gradient sync first (``GradSync.before_update``), as a boundary call does.
         """
         # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
@@ -421,6 +461,8 @@ class Accumulator:
                     skip_nonfinite=self.skip_nonfinite,
                     params=self._norm_order,
                     probe=torch.stack(self.losses).sum() if self.check_losses and self.losses else None,
+                    max_grad_value=self.max_grad_value,
+                    before_step=self._before_step if self.before_hooks else None,
                 )
             finally:
                 self.updating = False
@@ -478,6 +520,23 @@ class Accumulator:
         handle = RemovableHandle(self.hooks)
         self.hooks[handle.id] = fn
         return handle
+
+    def before_update(self, fn: Callable[[list[torch.Tensor]], Any]) -> RemovableHandle:
+        """Call ``fn(params)`` just before every optimizer step really taken; return a removable handle."""
+        if not callable(fn) or not _takes_one_argument(fn):
+            raise TypeError(
+                f"train_step.before_update({short(fn)}): expected a function of one argument, the list of "
+                f"parameters with gradients. Write train_step.before_update(lambda params: "
+                f"torch.nn.utils.clip_grad_value_(params, 0.5))."
+            )
+        handle = RemovableHandle(self.before_hooks)
+        self.before_hooks[handle.id] = fn
+        return handle
+
+    def _before_step(self) -> None:
+        params = [p for p in self._norm_order() if p.grad is not None]
+        for hook in list(self.before_hooks.values()):
+            hook(params)
 
     def _log_call(self, loss: torch.Tensor, n: Any, keep: Keep) -> None:
         """Keep what the window's mean loss needs of this call: its loss (times its items), its items."""
@@ -695,6 +754,63 @@ class Accumulator:
         self.scaler, self.stand_in, self.restored_scaler = scaler, True, None
 
     # ------------------------------------------------------------------------------------------ guard
+    def _drop_strays(self) -> None:
+        """At a window's start: drop the gradients this step did not make, and warn once.
+
+        Another step's backward leaves none here (see :mod:`~speedups.accumulation.ownership`); these
+        came from a ``backward()`` outside any step, or a ``zero_grad(set_to_none=False)`` (zeros).
+        Dropping them is what ``optimizer.zero_grad()`` at the top of a hand-written loop does. One pass
+        over the parameters per window.
+        """
+        zeroed = self.sync.zeroed  # DDP's zero gradients after a flush are this step's own
+        strays = [p for p in self.trainable() if p.grad is not None and id(p) not in zeroed]
+        self.clean_start = True
+        if strays:  # (rare) a parameter shared with a step whose window is open: that window's gradient
+            shared = OWNERSHIP.in_open_windows(self)
+            self.clean_start = not any(id(p) in shared for p in strays)
+            strays = [p for p in strays if id(p) not in shared]
+        if not strays:
+            return
+        for p in strays:
+            p.grad = None
+        if self.warned_strays:
+            return
+        self.warned_strays = True
+        warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
+            f"accumulate: the window starting at micro-step {self.step + 1} found gradients on "
+            f"{len(strays)} of the step's parameters that no step made: a `loss.backward()` outside the "
+            f"step, or `zero_grad(set_to_none=False)`, left them. They were dropped, as "
+            f"`optimizer.zero_grad()` at the top of a hand-written loop drops them. Fix: return every "
+            f"loss from the step (`return main + aux`), and remove backward() and zero_grad() calls from "
+            f"the loop.",
+            SpeedupsWarning,
+            stacklevel=3,
+        )
+
+    def _check_inner_backward(self) -> None:
+        """On a window's first call, before the step's backward: warn once if a ``backward()`` already ran.
+
+        The window started without gradients (:meth:`_drop_strays`), so any gradient now was made inside the
+        step's function: weighted 1 instead of the window's share, and without the fp16 loss scale. One pass
+        over the parameters per window, until it warns.
+        """
+        if self.warned_inner_backward or not self.clean_start:
+            return
+        zeroed = self.sync.zeroed
+        made = sum(1 for p in self.trainable() if p.grad is not None and id(p) not in zeroed)
+        if not made:
+            return
+        self.warned_inner_backward = True
+        warnings.warn(  # stacklevel 4: here, _call, __call__ (wrapt's wrapper is C), the caller of the step
+            f"accumulate: a backward() ran inside the step (micro-step {self.step + 1}): it left gradients "
+            f"on {made} parameters before the step's own backward, weighted 1 instead of 1/{self.every} of "
+            f"the window{' and without the fp16 loss scale' if self.scaler is not None else ''}, so the "
+            f"update is not the big batch's. Fix: return the sum instead of calling backward, e.g. "
+            f"`aux.backward(); return main` becomes `return main + aux`.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )
+
     def _warn_zero_grad(self) -> None:
         """Warn once: the open window's gradients were set to None by someone else (a zero_grad by hand)."""
         if self.warned_zero_grad:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from speedups._helpers import env, validate
-from speedups._helpers.step_context import check_max_grad_norm
+from speedups._helpers.step_context import check_clipping
 from speedups._helpers.validate import short
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -41,23 +41,25 @@ def check_arguments(
     enabled: Any,
     *,
     stacklevel: int,
-) -> tuple[int, tuple[torch.optim.Optimizer, ...], tuple[Any, ...], float | None]:
+    max_grad_value: Any = None,
+) -> tuple[int, tuple[torch.optim.Optimizer, ...], tuple[Any, ...], float | None, float | None]:
     """Check the arguments of ``accumulate(...)``.
 
     Returns ``every``, the optimizers and the schedulers as tuples (one optimizer or a list of them; None,
-    one scheduler or a list), and ``max_grad_norm`` (a float or None). Warns (rank 0, at ``stacklevel``
-    above this call) when a multi-process job gives no ``model=``.
+    one scheduler or a list), ``max_grad_norm`` and ``max_grad_value`` (floats or None). Warns (rank 0,
+    at ``stacklevel`` above this call) when a multi-process job gives no ``model=``.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: ``every < 1``; no optimizer, the same optimizer twice or a parameter in two of them; a
-            scheduler of an optimizer not given; ``max_grad_norm`` not a positive finite number.
+            scheduler of an optimizer not given; ``max_grad_norm`` or ``max_grad_value`` not a positive
+            finite number, or both given.
     """
     with validate.arguments(f"accumulate({short(every)}, optimizer, ...)"):
         every = validate.integer(every, "every", minimum=1, example="4")
         optimizers = _optimizers(optimizer, every)
         schedulers = _schedulers(scheduler, optimizers, every)
-        max_grad_norm = check_max_grad_norm(max_grad_norm)
+        max_grad_norm, max_grad_value = check_clipping(max_grad_norm, max_grad_value)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"model={short(model)}: expected a torch.nn.Module (the DDP or FSDP2 model) or None, got "
@@ -73,7 +75,7 @@ def check_arguments(
             SpeedupsWarning,
             stacklevel=stacklevel,
         )
-    return every, optimizers, schedulers, max_grad_norm
+    return every, optimizers, schedulers, max_grad_norm, max_grad_value
 
 
 def _optimizers(optimizer: Any, every: int) -> tuple[torch.optim.Optimizer, ...]:

@@ -29,6 +29,7 @@ def accumulate(
     *,
     scheduler: Any = None,
     max_grad_norm: float | None = None,
+    max_grad_value: float | None = None,
     model: torch.nn.Module | None = None,
     skip_nonfinite: bool = False,
     micro_batch_size: int | str | None = None,
@@ -46,8 +47,10 @@ def accumulate(
     ``model=`` runs non-boundary calls in ``no_sync()``; an FSDP2 one turns gradient sync off between
     boundaries. ``train_step.flush()`` (or ``train_step.epoch(loader)``) applies a short last window;
     ``train_step.on_update(fn)`` runs ``fn`` after every optimizer step really taken (EMA, per-update
-    logging). Stepping the optimizer by hand, or setting the gradients to None with ``zero_grad()``, while a
-    window is open warns once.
+    logging); ``train_step.before_update(fn)`` runs ``fn(params)`` on the final gradients just before it.
+    A step's backward leaves no gradient on another step's parameters (a GAN's generator loss on D); a
+    window never starts on gradients no step made (dropped, warned once). Stepping the optimizer by hand,
+    ``zero_grad()`` while a window is open, or a ``backward()`` inside the step warns once.
 
     Sync points: none by default; one per optimizer step with ``skip_nonfinite=True``, an fp16 GradScaler, or
     a device-tensor ``num_items`` (is the window empty? A window of 0 items skips the optimizer step).
@@ -63,6 +66,8 @@ def accumulate(
         scheduler: stepped after each optimizer step that really happened (anything with ``.step()``), or a
             list of them, each built on one of the optimizers.
         max_grad_norm: clip the total 2-norm of the normalised, unscaled gradients to this; None: no clipping.
+        max_grad_value: clamp each element of those gradients to ``[-v, v]`` (``clip_grad_value_``) once per
+            update; an fp16 overflow still skips the step. Not together with ``max_grad_norm``.
         model: the model, needed when it is a ``DistributedDataParallel`` or an FSDP2 module; the gradient
             norm then sums in ``model.parameters()`` order, bit-identical to ``clip_grad_norm_``'s.
         skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
@@ -98,9 +103,10 @@ def accumulate(
             f"@accumulate above {getattr(every, '__name__', 'a function')}: accumulate takes its window and "
             f"its optimizer first. Write @accumulate(4, optimizer) above `def train_step(...)`."
         )
-    every, optimizers, schedulers, max_grad_norm = check_arguments(
-        every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3
-    )
+    every, optimizers, schedulers, max_grad_norm, max_grad_value = check_arguments(
+        every, optimizer, scheduler, max_grad_norm, model, skip_nonfinite, enabled, stacklevel=3,
+        max_grad_value=max_grad_value,
+    )  # fmt: skip
     check_micro_batching(micro_batch_size, split, every)
 
     def decorator(fn: F) -> F:
@@ -126,6 +132,7 @@ def accumulate(
             None if micro_batch_size is None else MicroBatcher(micro_batch_size, split),
             model=model,
             guard=enabled,  # a plain step on every call (enabled=False) owns no window to guard
+            max_grad_value=max_grad_value,
         )
         return Step(fn, acc)  # type: ignore[return-value]
 

@@ -7,6 +7,7 @@ nothing here runs on the hot path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -41,6 +42,7 @@ class StepOwner(Protocol):
     ) -> Any: ...
     def flush(self) -> None: ...
     def on_update(self, fn: Callable[[Any], Any]) -> RemovableHandle: ...
+    def before_update(self, fn: Callable[[list[torch.Tensor]], Any]) -> RemovableHandle: ...
     def epoch(self, batches: Iterable[T]) -> Iterator[T]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -93,6 +95,21 @@ class _StepAttributes:
             TypeError: ``fn`` is not callable.
         """
         return self._acc().on_update(fn)
+
+    def before_update(self, fn: Callable[[list[torch.Tensor]], Any]) -> RemovableHandle:
+        """Call ``fn(params)`` just before every optimizer step really taken; return a removable handle.
+
+        ``params`` lists the optimizers' parameters that have a gradient (in ``model.parameters()`` order
+        with ``model=``), and each ``p.grad`` is final: the window's exact mean, summed over the ranks,
+        unscaled (fp16) and clipped (``max_grad_norm``/``max_grad_value``). Edit them in place to change the
+        update: custom clipping, gradient noise, statistics. ``train_step.num_updates`` still counts the
+        updates before this one. A skipped update (fp16 overflow, ``skip_nonfinite``, zero items) calls no
+        hook. Adds no sync; what ``fn`` reads is its own. Hooks run in registration order.
+
+        Raises:
+            TypeError: ``fn`` is not a function of one argument.
+        """
+        return self._acc().before_update(fn)
 
     @property
     def found_inf(self) -> torch.Tensor | None:
@@ -156,8 +173,27 @@ class Step(_StepAttributes, wrapt.FunctionWrapper, Generic[F]):
     __bound_function_wrapper__ = _BoundStep
 
     def __init__(self, wrapped: F, acc: StepOwner) -> None:
-        super().__init__(wrapped, acc)
+        box: list[Step[F]] = []
+        super().__init__(_outside_graphs(wrapped, box), acc)
+        box.append(self)
         self._self_acc = acc
 
     def _acc(self) -> StepOwner:
         return self._self_acc
+
+
+def _outside_graphs(fn: F, box: list[Any]) -> F:
+    """``fn`` as the step wraps it, run outside any ``torch.compile`` graph.
+
+    torch.compile (dynamo) sees through the step's wrapper to the function it wraps and would trace that
+    alone, skipping the step (no backward, no update): traced, this calls the step itself in a
+    ``torch.compiler.disable`` region (a graph break), where it runs eagerly as usual. Eager cost: one frame.
+    """
+
+    @functools.wraps(fn)
+    def step_body(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # dynamo imports itself; made when traced only
+            return torch.compiler.disable(box[0])(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return step_body  # type: ignore[return-value]

@@ -415,6 +415,7 @@ def test_the_file_is_a_plain_dict_with_the_documented_layout(tmp_path: Path) -> 
     from speedups import accumulate
 
     model, opt = _trained(0)
+    opt.zero_grad()  # the hand-written training's last gradients: not the step's window
     step = accumulate(2, opt)(lambda: model(torch.ones(1, 3)).sum())
     step()
     save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=step, tracker=LossTracker(),

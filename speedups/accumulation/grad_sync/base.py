@@ -57,6 +57,7 @@ class GradSync:
     def __init__(self, world: int = 1, group: Any = None) -> None:
         self.world = world
         self.group = group
+        self.zeroed: set[int] = set()  # ids of parameters this strategy gave a zero gradient (DDP, a flush)
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         """Return the context a micro-step's forward and backward run in (``boundary``: it ends a window)."""

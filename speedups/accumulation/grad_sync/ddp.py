@@ -55,7 +55,7 @@ class DDPSync(DataParallelSync):
     def _forget(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles, self.used = [], {}
+        self.handles, self.used, self.zeroed = [], {}, set()
 
     def sync_window(
         self, params: Sequence[torch.Tensor], local_count: LocalCount, pending: int, every: int
@@ -105,6 +105,7 @@ class DDPSync(DataParallelSync):
         for p in stale:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+                self.zeroed.add(id(p))  # the step's own, not a stray gradient (see Accumulator)
         for p in _trainable(params):
             cell = [False]
             self.used[id(p)] = cell

@@ -1,0 +1,238 @@
+"""The step knows which gradients it made: another step's backward (a GAN), a backward outside the step or
+inside it, and parameters added to a param group; each against the hand-written loop."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedups import SpeedupsWarning, accumulate, mixed_precision
+from tests._models import linear_data, mlp
+
+
+def _flat(*modules: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for m in modules for p in m.parameters()])
+
+
+# ----------------------------------------------------------------------------- a GAN, ported as taught
+def _gan() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
+    D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return G, D
+
+
+def _gan_data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(n)]
+
+
+def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+def _d_loss(D: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    return _bce(D(real), 1.0) + _bce(D(fake.detach()), 0.0)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_gan_without_requires_grad_tricks_equals_the_hand_written_loop(every: int, fp16: bool) -> None:
+    """dcgan/main.py's shape: D's windows never hold what G's loss left on D (there, netD.zero_grad())."""
+    data = _gan_data(6)
+    G, D = _gan()
+    og, od = torch.optim.Adam(G.parameters(), 1e-2), torch.optim.Adam(D.parameters(), 1e-2)
+    sd, sg = torch.amp.GradScaler("cpu", enabled=fp16), torch.amp.GradScaler("cpu", enabled=fp16)
+    for i, (real, z) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            fake = G(z)
+            ld = _d_loss(D, real, fake)
+        sd.scale(ld / every).backward()
+        if (i + 1) % every == 0:
+            sd.step(od), sd.update(), od.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            lg = _bce(D(fake), 1.0)
+        torch.autograd.backward(sg.scale(lg / every), inputs=list(G.parameters()))  # G's gradients only
+        if (i + 1) % every == 0:
+            sg.step(og), sg.update(), og.zero_grad()
+    ref = _flat(G), _flat(D)
+
+    G, D = _gan()
+    og, od = torch.optim.Adam(G.parameters(), 1e-2), torch.optim.Adam(D.parameters(), 1e-2)
+    amp = mixed_precision("fp16" if fp16 else "fp32", device_type="cpu")
+
+    @accumulate(every, od)
+    @amp
+    def d_step(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        return _d_loss(D, real, fake)
+
+    @accumulate(every, og)
+    @amp
+    def g_step(fake: torch.Tensor) -> torch.Tensor:
+        return _bce(D(fake), 1.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: this is the recipe
+        for real, z in data:
+            with amp:
+                fake = G(z)
+            d_step(real, fake)
+            g_step(fake)
+    assert torch.equal(_flat(G), ref[0]) and torch.equal(_flat(D), ref[1])
+    assert all(p.grad is None for p in D.parameters())  # what g_step's backward left on D was dropped
+
+
+def test_another_steps_open_window_is_kept_whole_while_a_step_runs() -> None:
+    G, D = _gan()
+    od, og = torch.optim.SGD(D.parameters(), 0.1), torch.optim.SGD(G.parameters(), 0.1)
+    d_step = accumulate(3, od)(lambda real, fake: _d_loss(D, real, fake))
+    g_step = accumulate(1, og)(lambda fake: _bce(D(fake), 1.0))
+    real, z = _gan_data(1)[0]
+    d_step(real, G(z))
+    window = [p.grad.clone() for p in D.parameters()]
+    g_step(G(z))  # its backward runs through D
+    assert all(torch.equal(p.grad, w) for p, w in zip(D.parameters(), window, strict=True))
+    assert g_step.num_updates == 1 and d_step.pending == 1
+
+
+# ------------------------------------------------------------------------ a backward outside the step
+def test_gradients_no_step_made_are_dropped_at_a_window_start_with_one_warning() -> None:
+    x, y = linear_data(16)
+    model, ref = mlp(3, 8, 1), mlp(3, 8, 1)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
+    train_step = accumulate(2, opt)(lambda x, y: F.mse_loss(model(x), y))
+    with pytest.warns(SpeedupsWarning, match=r"no step made.*dropped.*return every loss") as record:
+        for i in range(0, 16, 4):
+            if i % 8 == 0:  # a stray backward before each window: what the hand loop's zero_grad() drops
+                model(x[:2]).sum().backward()
+            train_step(x[i : i + 4], y[i : i + 4])
+    assert len(record) == 1 and record[0].filename == __file__
+    for i in range(0, 16, 8):
+        ref_opt.zero_grad()
+        for j in (i, i + 4):
+            (F.mse_loss(ref(x[j : j + 4]), y[j : j + 4]) / 2).backward()
+        ref_opt.step()
+    torch.testing.assert_close(_flat(model), _flat(ref), rtol=0, atol=1e-7)
+
+
+# ------------------------------------------------------------------------- a backward inside the step
+def _two_heads() -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Linear(16, 1), nn.Linear(16, 3)
+
+
+def _aux_data() -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(4)
+    return [
+        (torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g), torch.randint(3, (8,), generator=g))
+        for _ in range(4)
+    ]
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_a_backward_inside_the_step_is_warned_once_and_the_sum_is_exact(fp16: bool) -> None:
+    data = _aux_data()
+    body, reg, cls = _two_heads()
+    params = [*body.parameters(), *reg.parameters(), *cls.parameters()]
+    opt = torch.optim.SGD(params, lr=0.2)
+    for i, (x, y, c) in enumerate(data):  # the hand loop: both losses / N
+        h = body(x)
+        (F.mse_loss(reg(h), y) / 2).backward(retain_graph=True)
+        (F.cross_entropy(cls(h), c) / 2).backward()
+        if i % 2:
+            opt.step(), opt.zero_grad()
+    ref = torch.cat([p.detach().reshape(-1) for p in params])
+
+    def run(inner: bool) -> torch.Tensor:
+        body, reg, cls = _two_heads()
+        params = [*body.parameters(), *reg.parameters(), *cls.parameters()]
+        amp = mixed_precision("fp16" if fp16 else "fp32", device_type="cpu")
+
+        @accumulate(2, torch.optim.SGD(params, lr=0.2))
+        @amp
+        def step(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            h = body(x)
+            main, aux = F.mse_loss(reg(h), y), F.cross_entropy(cls(h), c)
+            if inner:
+                aux.backward(retain_graph=True)
+                return main
+            return main + aux
+
+        for batch in data:
+            step(*batch)
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    told = r"backward\(\) ran inside the step.*1/2.*`return main \+ aux`"
+    with pytest.warns(SpeedupsWarning, match=told) as rec:
+        run(inner=True)
+    assert len(rec) == 1 and rec[0].filename == __file__
+    assert ("fp16 loss scale" in str(rec[0].message)) is fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(inner=False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 if fp16 else 1e-6)
+
+
+def test_autograd_grad_inside_the_step_is_not_a_backward() -> None:
+    """A gradient penalty (torch.autograd.grad with create_graph) leaves no .grad: nothing to warn about."""
+    model = mlp(3, 8, 1)
+    train_step = accumulate(2, torch.optim.SGD(model.parameters(), 0.1))
+
+    @train_step
+    def step(x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        out = model(x).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        return out + gx.pow(2).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            step(torch.randn(4, 3))
+    assert step.num_updates == 2
+
+
+# -------------------------------------------------------------------------- parameters added to a group
+@pytest.mark.parametrize("how", ["extend", "append", "new list"])
+def test_parameters_added_to_an_existing_group_are_normalised_and_clipped(how: str) -> None:
+    """The usual "unfreeze the backbone" edit of a param group, half-way: as a group added, it is seen."""
+    x, y = linear_data(32)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(3, 8, 1)
+        return model, torch.optim.SGD(model[2].parameters(), lr=0.5)
+
+    def unfreeze(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        group = opt.param_groups[0]
+        new = list(model[0].parameters())
+        if how == "extend":
+            group["params"].extend(new)
+        elif how == "append":
+            for p in new:
+                group["params"].append(p)
+        else:
+            group["params"] = group["params"] + new
+
+    ref, ref_opt = build()
+    for i in range(0, 32, 8):
+        if i == 16:
+            unfreeze(ref, ref_opt)
+        for j in (i, i + 4):
+            (F.mse_loss(ref(x[j : j + 4]), y[j : j + 4]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 0.05)
+        ref_opt.step()
+        ref.zero_grad(set_to_none=True)
+
+    model, opt = build()
+    train_step = accumulate(2, opt, max_grad_norm=0.05)(lambda x, y: F.mse_loss(model(x), y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpeedupsWarning)  # the frozen layer's gradients before unfreezing
+        for i in range(0, 32, 4):
+            if i == 16:
+                unfreeze(model, opt)
+            train_step(x[i : i + 4], y[i : i + 4])
+    torch.testing.assert_close(_flat(model), _flat(ref), rtol=0, atol=1e-6)
