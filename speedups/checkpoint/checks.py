@@ -33,13 +33,14 @@ _OPTIONAL_GROUP_KEYS = frozenset(
 _LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
 
-def _has_own_check(obj: Any) -> bool:
+def has_own_check(obj: Any) -> bool:
+    """Whether ``obj`` is a speedups object that checks its own saved state (a step, a tracker, ...)."""
     return callable(getattr(type(obj), "_check_state", None))
 
 
 def is_checked(obj: Any) -> bool:
     """Whether :func:`check_entry` fully checks ``obj`` (no undo copy needed when loading it)."""
-    return isinstance(obj, (nn.Module, torch.optim.Optimizer, _LRScheduler)) or _has_own_check(obj)
+    return isinstance(obj, (nn.Module, torch.optim.Optimizer, _LRScheduler)) or has_own_check(obj)
 
 
 def check_entry(
@@ -75,7 +76,7 @@ def check_entry(
                 f"{said}: loader {what} was saved mid-epoch with world size {saved.get('world_size')} and "
                 f"is loaded with {world}: the batches would not line up. Resume with the same world size."
             )
-    if _has_own_check(obj):
+    if has_own_check(obj):
         try:
             obj._check_state(saved)
         except (TypeError, ValueError, SpeedupsError) as err:

@@ -19,7 +19,7 @@ from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
 from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
-from speedups.checkpoint.checks import check_entry, is_checked
+from speedups.checkpoint.checks import check_entry, has_own_check, is_checked
 from speedups.checkpoint.entries import check_path, holds_fsdp, refuse_positional, saved_object, split_state
 from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
 from speedups.checkpoint.rank_states import rng_of_this_rank, state_of_this_rank
@@ -124,7 +124,7 @@ def load_contents(
     entries = contents.entries
     missing = [name for name in objects if entry_of[name] not in entries]
     if missing:
-        raise SpeedupsError(_missing(said, missing, entry_of, contents))
+        raise SpeedupsError(_missing(said, missing, entry_of, contents, objects))
     classes = contents.objects or {}
     saved = {name: state_of_this_rank(entry_of[name], entries[entry_of[name]], contents.per_rank)
              for name in objects}  # fmt: skip
@@ -165,11 +165,21 @@ def _check_keys(keys: Any, objects: dict[str, Any]) -> dict[str, str]:
     return {name: keys.get(name, name) for name in objects}
 
 
-def _missing(said: str, missing: list[str], entry_of: Mapping[str, str], contents: Any) -> str:
+def _missing(
+    said: str, missing: list[str], entry_of: Mapping[str, str], contents: Any, objects: Mapping[str, Any]
+) -> str:
     held = sorted(contents.entries)
     absent = [entry_of[n] for n in missing]
     if not contents.foreign:
         return f"{said}: {absent} were not saved; it holds {held}."
+    ours = [n for n in missing if has_own_check(saved_object(objects[n]))]  # steps, trackers, loaders, ...
+    if ours:
+        kept = ", ".join(f"{n}=..." for n in objects if n not in ours) or "model=..."
+        return (
+            f"{said}: not a checkpoint written by speedups.save_checkpoint (a plain torch.save dict), so it "
+            f"cannot hold the state of {ours}: only save_checkpoint writes what a speedups object keeps. Leave "
+            f"{'it' if len(ours) == 1 else 'them'} out, to start afresh: load_checkpoint(path, {kept})."
+        )
     example = ", ".join(f"{n!r}: '...'" for n in missing)
     hint = ""
     if contents.entries and all(isinstance(v, torch.Tensor) for v in contents.entries.values()):

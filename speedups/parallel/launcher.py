@@ -190,6 +190,7 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
             torch.set_num_threads(int(threads))
         init_distributed()
         result = fn(*args, **kwargs)
+        _check_picklable(result, fn)
     except BaseException as exc:
         rank, attempt = os.environ.get("RANK", "0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -201,6 +202,20 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         raise
     destroy_distributed()
     return result
+
+
+def _check_picklable(result: Any, fn: Callable[..., Any]) -> None:
+    """Raise here, where the cause can be named, if ``result`` cannot travel back to the parent."""
+    try:
+        pickle.dumps(result)
+    except Exception as err:
+        name = getattr(fn, "__name__", "fn")
+        raise TypeError(
+            f"launch({name}): {name} returned {validate.short(result)}, which cannot be pickled to reach the parent "
+            f"process ({type(err).__name__}: {err}). Return plain data: numbers, strings, CPU tensors, "
+            f"dicts and lists of them (e.g. `return {{k: v.cpu() for k, v in model.state_dict().items()}}`), "
+            f"or save what you need to a file and return its path."
+        ) from err
 
 
 def _reported(report_dir: Path, rank: int) -> tuple[BaseException, str] | None:

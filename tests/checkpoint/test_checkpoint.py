@@ -3,6 +3,7 @@ tests/test_distributed_jobs.py)."""
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -478,6 +479,25 @@ def test_foreign_checkpoints_load_through_keys(tmp_path: Path) -> None:
     torch.save(model.state_dict(), tmp_path / "bare.pt")
     with pytest.raises(SpeedupsError, match="looks like a bare model state_dict"):
         load_checkpoint(tmp_path / "bare.pt", model=fresh)
+
+
+def test_a_foreign_file_asked_for_a_speedups_objects_state_says_to_leave_it_out(tmp_path: Path) -> None:
+    """A plain torch.save file cannot hold a step's window: `keys=` would not help, leaving `step=` out does."""
+    from speedups import accumulate
+
+    model, opt = _trained(0, torch.optim.Adam)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "theirs.pt")
+    fresh, fresh_opt = _trained(1, torch.optim.Adam)
+    fresh_opt.zero_grad()
+    train_step = accumulate(2, fresh_opt)(lambda: fresh(torch.ones(1, 3)).sum())
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(SpeedupsError, match=r"cannot hold the state of \['step', 'tracker'\].*Leave them out, to "
+                       r"start afresh: load_checkpoint\(path, model=\.\.\., optimizer=\.\.\.\)") as err:
+        load_checkpoint(tmp_path / "theirs.pt", model=fresh, optimizer=fresh_opt, step=train_step,
+                        tracker=LossTracker())  # fmt: skip
+    assert "keys=" not in str(err.value) and _same(fresh.state_dict(), before)  # nothing loaded
+    load_checkpoint(tmp_path / "theirs.pt", model=fresh, optimizer=fresh_opt)  # the way it says
+    assert _same(fresh.state_dict(), model.state_dict())
 
 
 def test_checkpoints_of_the_first_layout_still_load(tmp_path: Path) -> None:

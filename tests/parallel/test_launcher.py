@@ -183,3 +183,25 @@ def test_launch_gives_each_process_one_thread_as_torchrun_does(tmp_path: Path, h
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RESULT [(1, '1'), (1, '1')] False" in out.stdout, out.stdout  # and the parent's env is restored
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_return_value_that_cannot_be_pickled_is_named_as_the_cause(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import threading
+        from speedups import launch
+
+        def make_lock():
+            return {"lock": threading.Lock()}
+
+        try:
+            launch(make_lock, nprocs=2)
+        except TypeError as err:
+            print("CAUGHT", err)
+    """)
+    out = _run([sys.executable, "-c", code], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CAUGHT launch(make_lock): make_lock returned {'lock': <unlocked _thread.lock" in out.stdout
+    assert "cannot be pickled to reach the parent process" in out.stdout and "Return plain data" in out.stdout
+    assert "Killed for memory" not in out.stdout + out.stderr
