@@ -177,8 +177,8 @@ def _missing(
         kept = ", ".join(f"{n}=..." for n in objects if n not in ours) or "model=..."
         return (
             f"{said}: not a checkpoint written by speedups.save_checkpoint (a plain torch.save dict), so it "
-            f"cannot hold the state of {ours}: only save_checkpoint writes what a speedups object keeps. Leave "
-            f"{'it' if len(ours) == 1 else 'them'} out, to start afresh: load_checkpoint(path, {kept})."
+            f"cannot hold the state of {ours}: only save_checkpoint writes what a speedups object keeps. "
+            f"Leave {'it' if len(ours) == 1 else 'them'} out, to start afresh: load_checkpoint(path, {kept})."
         )
     example = ", ".join(f"{n!r}: '...'" for n in missing)
     hint = ""

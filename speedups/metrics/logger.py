@@ -239,7 +239,11 @@ class MetricLogger:
     waiting. :meth:`flush`, :meth:`close` and :meth:`state_dict` wait for everything (one sync). Numbers and
     CPU tensors are read at ``log`` (no sync there) and written with the batch: writing is batched, about
     7 µs per ``log`` of five values on a CPU (``benchmarks/metrics.py``). One writer: rank 0 writes, the
-    other ranks neither read nor write (with ``all_ranks``, they take part in the reduction). With
+    other ranks neither read nor write (with ``all_ranks``, they take part in the reduction); and one
+    writer per file: a second logger on the same files, in this process or another, is refused when made
+    (each file sink holds ``<file>.lock`` until :meth:`close`). A new run in a used ``log_dir`` moves the
+    earlier run's files aside (``metrics.earlier-1.csv``, ...) with a warning; a resumed one (see
+    :meth:`state_dict`) keeps its rows up to the checkpoint. With
     ``all_ranks=True`` every value is the mean over the ranks (a tracker's, the weighted mean of all their
     items), reduced with one all-reduce per flush, never per ``log``: every rank must log the same names at
     the same steps. Accelerate's ``accelerator.log`` and Fabric's ``fabric.log`` read each value when called.
@@ -255,15 +259,17 @@ class MetricLogger:
     rank must call them; one that does not is named after 10 s).
 
     Args:
-        log_dir: the run's directory for file sinks (made when first written); None: no file sinks.
+        log_dir: the run's directory for file sinks (made now, by the writing rank); None: no file sinks.
         sinks: a sink name, a sink or tracker object, or a list of them (default ``"csv"``).
         every: read and write whatever is pending at least every this many records (>= 1).
         all_ranks: log the mean over all ranks (one all-reduce per flush) instead of rank 0's values.
         enabled: False makes every method a no-op.
 
     Raises:
-        TypeError, ValueError: a bad argument, an unknown sink name, a file sink without ``log_dir``.
+        TypeError, ValueError: a bad argument, an unknown sink name, a file sink without ``log_dir``, a
+            ``log_dir`` that cannot be made or written (the message names it).
         ImportError: a sink's optional package is missing (the message names the extra to install).
+        SpeedupsError: another logger writes the same files (the message names them and the fixes).
 
     Example:
         >>> import tempfile

@@ -211,10 +211,10 @@ def _check_picklable(result: Any, fn: Callable[..., Any]) -> None:
     except Exception as err:
         name = getattr(fn, "__name__", "fn")
         raise TypeError(
-            f"launch({name}): {name} returned {validate.short(result)}, which cannot be pickled to reach the parent "
-            f"process ({type(err).__name__}: {err}). Return plain data: numbers, strings, CPU tensors, "
-            f"dicts and lists of them (e.g. `return {{k: v.cpu() for k, v in model.state_dict().items()}}`), "
-            f"or save what you need to a file and return its path."
+            f"launch({name}): {name} returned {validate.short(result)}, which cannot be pickled to reach "
+            f"the parent process ({type(err).__name__}: {err}). Return plain data: numbers, strings, CPU "
+            f"tensors, dicts and lists of them (e.g. `return {{k: v.cpu() for k, v in "
+            f"model.state_dict().items()}}`), or save what you need to a file and return its path."
         ) from err
 
 

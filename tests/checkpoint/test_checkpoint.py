@@ -482,7 +482,7 @@ def test_foreign_checkpoints_load_through_keys(tmp_path: Path) -> None:
 
 
 def test_a_foreign_file_asked_for_a_speedups_objects_state_says_to_leave_it_out(tmp_path: Path) -> None:
-    """A plain torch.save file cannot hold a step's window: `keys=` would not help, leaving `step=` out does."""
+    """A plain torch.save file cannot hold a step's window: leaving `step=` out helps, `keys=` would not."""
     from speedups import accumulate
 
     model, opt = _trained(0, torch.optim.Adam)
@@ -491,8 +491,8 @@ def test_a_foreign_file_asked_for_a_speedups_objects_state_says_to_leave_it_out(
     fresh_opt.zero_grad()
     train_step = accumulate(2, fresh_opt)(lambda: fresh(torch.ones(1, 3)).sum())
     before = copy.deepcopy(fresh.state_dict())
-    with pytest.raises(SpeedupsError, match=r"cannot hold the state of \['step', 'tracker'\].*Leave them out, to "
-                       r"start afresh: load_checkpoint\(path, model=\.\.\., optimizer=\.\.\.\)") as err:
+    told = r"state of \['step', 'tracker'\].*Leave them out.*\(path, model=\.\.\., optimizer=\.\.\.\)"
+    with pytest.raises(SpeedupsError, match=told) as err:
         load_checkpoint(tmp_path / "theirs.pt", model=fresh, optimizer=fresh_opt, step=train_step,
                         tracker=LossTracker())  # fmt: skip
     assert "keys=" not in str(err.value) and _same(fresh.state_dict(), before)  # nothing loaded

@@ -145,6 +145,45 @@ def test_accumulate_updates_are_logged_through_the_hook(tmp_path: Path) -> None:
     assert logger.postfix()["lr"] == "0.025"  # host values of the last row, formatted for tqdm
 
 
+@pytest.mark.parametrize("items", [None, "int", "tensor"])
+def test_an_updates_loss_totals_are_its_sum_and_count_made_without_a_sync(items: str | None) -> None:
+    X, Y = linear_data(24)
+    model, opt, _, _ = twin()
+    sizes = [3, 5, 1, 4, 2, 6]
+
+    def loss_fn(i: int):
+        x, y = X[i * 4 : i * 4 + sizes[i]], Y[i * 4 : i * 4 + sizes[i]]
+        loss = F.mse_loss(model(x), y)
+        return loss if items is None else (loss, len(y) if items == "int" else torch.tensor(len(y)))
+
+    train_step = accumulate(3, opt)(loss_fn)
+    records: list = []
+    totals: list = []
+
+    def keep(record) -> None:
+        with SyncCounter() as counter:
+            totals.append(record.loss_totals())
+        assert counter.count == 0
+        records.append(record)
+
+    train_step.on_update(keep)
+    losses = []
+    for i in range(6):
+        with torch.no_grad():
+            x, y = X[i * 4 : i * 4 + sizes[i]], Y[i * 4 : i * 4 + sizes[i]]
+            losses.append((F.mse_loss(model(x), y).item(), len(y)))  # before this window's update
+        train_step(i)
+    for window, (record, pair) in enumerate(zip(records, totals, strict=True)):
+        part = losses[window * 3 : window * 3 + 3]
+        if items is None:  # the calls' losses and the number of calls
+            want = [sum(v for v, _ in part), 3.0]
+        else:  # the items' summed loss and the number of items
+            want = [sum(v * n for v, n in part), float(sum(n for _, n in part))]
+        assert pair.dtype == torch.float64 and pair.shape == (2,)
+        assert pair.tolist() == pytest.approx(want, rel=1e-6)
+        assert (pair[0] / pair[1]).item() == pytest.approx(record.loss.item(), rel=1e-6)
+
+
 class _Tracker:
     def __init__(self) -> None:
         self.rows: list[tuple[int, dict]] = []
