@@ -6,11 +6,14 @@ from __future__ import annotations
 import ast
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import WORKERS, run_torchrun
+from tests._dist import ROOT, WORKERS, free_port, run_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -78,3 +81,15 @@ def test_log_update_logs_the_jobs_loss_as_one_process_with_the_global_batch_does
     assert "the other ranks did not call it" in alone and "rank 0's own loss" in alone
     alone_rows = [float(row["loss"]) for row in _rows(tmp_path / "two" / "alone" / "metrics.csv")]
     assert alone_rows == pytest.approx(own, rel=1e-6)  # rank 0 alone: its own loss, said, and no hang
+
+
+def test_processes_spawned_before_their_process_group_exists_write_once(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(WORKERS / "metric_spawn_before_init.py"), str(tmp_path), str(free_port())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert sorted(out.stdout.split()) == ["ok", "ok", "rank0", "rank1"]
+    assert [float(row["loss"]) for row in _rows(tmp_path / "metrics.csv")] == [s + 0.5 for s in range(5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
