@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpu_has_native_bf16, gpu_has_native_bf16
-from speedups._helpers.step_context import apply_update, check_max_grad_norm, current_step, params_of
+from speedups._helpers.step_context import apply_update, check_clipping, current_step, params_of
 from speedups.device import default_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
@@ -261,8 +261,15 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         self._scaled_backwards += 1
 
-    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
-        """Unscale once (fp16), clip to ``max_grad_norm`` if given, then step the optimizer or skip it.
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
+    ) -> bool:
+        """Unscale once (fp16), clip (``max_grad_norm``: the total norm; ``max_grad_value``: each element),
+        then step the optimizer or skip it.
 
         With fp16 the step is skipped when the unscaled gradients hold inf/NaN (one host-device sync reads
         that, for fused optimizers too, whose own skip GradScaler cannot report) and ``GradScaler.update``
@@ -275,8 +282,8 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             True when the optimizer really stepped: step your LR scheduler only then.
 
         Raises:
-            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``max_grad_norm`` is not a number.
-            ValueError: ``max_grad_norm`` is not positive and finite.
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; a clipping bound is not a number.
+            ValueError: a clipping bound is not positive and finite, or both are given.
             SpeedupsError: fp16, and no :meth:`backward` since the last step (``loss.backward()`` was called
                 instead, so the gradients are not scaled; nothing is changed).
         """
@@ -285,8 +292,10 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 f"mixed_precision.step(optimizer={type(optimizer).__name__}): expected a "
                 f"torch.optim.Optimizer. Pass the optimizer, e.g. amp.step(optimizer)."
             )
-        with validate.arguments(f"mixed_precision.step(optimizer, max_grad_norm={max_grad_norm!r})"):
-            max_grad_norm = check_max_grad_norm(max_grad_norm)
+        clips = f"max_grad_norm={max_grad_norm!r}, max_grad_value={max_grad_value!r}"
+        call = f"mixed_precision.step(optimizer, {clips})"
+        with validate.arguments(call):
+            max_grad_norm, max_grad_value = check_clipping(max_grad_norm, max_grad_value)
         if self.scaler is not None and not self._scaled_backwards:
             raise SpeedupsError(
                 "mixed_precision('fp16').step(optimizer): no amp.backward(loss) since the last step, so the "
@@ -302,6 +311,7 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
             1.0,
             skip_nonfinite=False,
             params=lambda: params_of((optimizer,)),
+            max_grad_value=max_grad_value,
         )
         self.last_step_skipped = not stepped
         self.found_inf = None if probe is None or self.scaler is None else ~torch.isfinite(probe)
