@@ -189,6 +189,7 @@ class Accumulator:
 
     def _call(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One micro-step: the user's function, its backward and, at a boundary, the update."""
+        self._parameters()  # a param group edited since the last call is seen (and checked) here
         if self.micro is not None:  # the call's batch split into micro-batches
             return self._call_micro(self.micro, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
@@ -306,6 +307,13 @@ class Accumulator:
         shape = [(id(g["params"]), len(g["params"])) for opt in self.optimizers for g in opt.param_groups]
         if shape != self._params[0]:  # a param group added, or parameters added to (or taken from) one
             params = params_of(self.optimizers)
+            if len(params) != sum(count for _, count in shape):
+                raise SpeedupsError(
+                    "accumulate: a parameter is now listed twice among the step's optimizers (a param "
+                    "group edited in place with a parameter it or another of the step's optimizers already "
+                    "holds?), so one update would step it twice. Add each parameter once: `new = [p for p in "
+                    "backbone.parameters() if all(p is not q for q in group['params'])]`."
+                )
             order = params
             ids = {id(p) for p in params}
             if self.model is not None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedups import SpeedupsWarning, accumulate, mixed_precision
+from speedups import SpeedupsError, SpeedupsWarning, accumulate, mixed_precision
 from tests._models import linear_data, mlp
 
 
@@ -236,3 +236,16 @@ def test_parameters_added_to_an_existing_group_are_normalised_and_clipped(how: s
                 unfreeze(model, opt)
             train_step(x[i : i + 4], y[i : i + 4])
     torch.testing.assert_close(_flat(model), _flat(ref), rtol=0, atol=1e-6)
+
+
+def test_a_parameter_added_twice_to_the_groups_is_refused_before_the_call_changes_anything() -> None:
+    model = mlp(3, 8, 1)
+    head, body = torch.optim.SGD(model[2].parameters(), 0.1), torch.optim.SGD(model[0].parameters(), 0.1)
+    train_step = accumulate(2, [head, body])(lambda x: model(x).pow(2).mean())
+    train_step(torch.randn(4, 3))
+    before = [p.grad.clone() for p in model.parameters()]
+    head.param_groups[0]["params"].append(model[0].weight)  # body's already
+    with pytest.raises(SpeedupsError, match=r"listed twice among the step's optimizers.*each parameter once"):
+        train_step(torch.randn(4, 3))
+    assert train_step.pending == 1 and train_step.step == 1
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
