@@ -9,6 +9,10 @@ holding out 20% for test, and prints the final line ``test_accuracy=<float>`` fo
     python examples/train_digits.py --dataset mnist --data-root ./data --download
 
 What speedups changes against the plain loop (each marked ``# speedups`` below):
+- ``tune_loader(loader, step=...)`` times the step (on a copy of the model, about a second) with all of
+  this process's cores as torch compute threads, half as many and one, and keeps the fastest
+  (``torch.set_num_threads``): a core busy with another program makes threads wait on each other, several
+  times slower. ``--threads N`` fixes the count instead (float rounding depends on it).
 - ``to_device(batch)`` moves the whole batch, whatever its nesting, to this process's device.
 - ``LossTracker`` keeps the running loss on the device: no ``.item()`` sync on every step.
 - ``@accumulate(N, optimizer)`` runs backward and, every N micro-batches, the optimizer step: exactly the
@@ -24,9 +28,12 @@ What speedups changes against the plain loop (each marked ``# speedups`` below):
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,7 @@ from speedups import (
     plot_metrics,
     resolve_device,
     to_device,
+    tune_loader,
 )
 
 
@@ -103,6 +111,27 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
+def probe_step(model: nn.Module, device: torch.device, amp: mixed_precision) -> Callable[[Any], None]:
+    """The training step's forward and backward on a copy of ``model``, for tune_loader to time."""
+    probe = copy.deepcopy(model)
+
+    def step(batch: list[torch.Tensor]) -> None:
+        x, y = to_device(batch, device)
+        with amp:
+            F.cross_entropy(probe(x), y).backward()
+
+    return step
+
+
+def threads_arg(text: str) -> int | str:
+    """``--threads``: "auto", or a count >= 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}")
+    return int(text)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
     model.eval()
@@ -132,6 +161,9 @@ def main(argv: list[str] | None = None) -> float:
     )
     parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
     parser.add_argument("--log-dir", default=None, help="write metrics.csv (and TensorBoard) and curves.png")
+    parser.add_argument(
+        "--threads", type=threads_arg, default="auto", help='torch compute threads: "auto" (timed) or an int'
+    )
     args = parser.parse_args(argv)
     micro = args.micro_batch_size
     micro = int(micro) if micro is not None and micro.isdigit() else micro  # "auto" stays a string
@@ -160,6 +192,18 @@ def main(argv: list[str] | None = None) -> float:
     @amp  # speedups: with fp16, @accumulate scales the loss and unscales once per optimizer step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         return F.cross_entropy(model(x), y), len(y)  # mean loss of the micro-batch, and its sample count
+
+    # speedups: split the cores between torch's compute threads and loading, timed with the step on a copy of
+    # the model (the RNG states are put back); the tensors are in memory, so the main process loads
+    train_loader, report = tune_loader(
+        train_loader,
+        step=probe_step(model, device, amp),
+        candidates=[{"num_workers": 0}],
+        num_threads=args.threads,
+        max_seconds=1,
+        progress=False,
+    )
+    print(f"tune_loader: num_threads={report.chosen['num_threads']} (was {report.num_threads_before})")
 
     logger = None
     if args.log_dir is not None:  # speedups: per-update metrics from device tensors, no sync per step

@@ -40,7 +40,9 @@ def test_train_digits_with_accumulation_trains_one_epoch() -> None:
 
 
 def test_train_digits_with_auto_micro_batches_trains_one_epoch() -> None:
-    args = ("--epochs", "1", "--device", "cpu", "--seed", "1", "--accumulate", "2", "--micro-batch-size")
+    # one compute thread in all three (a count timed per run could differ, and float rounding with it)
+    args = ("--epochs", "1", "--device", "cpu", "--seed", "1", "--accumulate", "2", "--threads", "1")
+    args += ("--micro-batch-size",)
     auto = run_example("examples/train_digits.py", *args, "auto")
     fixed = run_example("examples/train_digits.py", *args, "16")
     plain = run_example("examples/train_digits.py", *args[:-1])
@@ -56,6 +58,18 @@ def test_train_digits_with_auto_micro_batches_trains_one_epoch() -> None:
     # the same training: "auto" (whole batches) exactly; 16-row pieces up to the summation order, which one
     # epoch of this small model can turn into a few test images (0.025 seen on torch 2.4)
     assert accuracy[0] == accuracy[2] and abs(accuracy[1] - accuracy[2]) < 0.04, accuracy
+
+
+def test_train_digits_splits_the_cores_by_timing_and_keeps_a_count_given() -> None:
+    common = ("examples/train_digits.py", "--epochs", "1", "--device", "cpu")
+    auto, fixed = run_example(*common), run_example(*common, "--threads", "1")
+    for out in (auto, fixed):
+        assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr
+    chosen = re.search(r"tune_loader: num_threads=(\d+) \(was (\d+)\)", auto.stdout)
+    assert chosen and 1 <= int(chosen.group(1)) <= int(chosen.group(2)), auto.stdout
+    assert re.search(r"tune_loader: num_threads=1 \(was \d+\)", fixed.stdout), fixed.stdout
+    bad = run_example(*common, "--threads", "0")
+    assert bad.returncode == 2 and "expected 'auto' or an int >= 1, got '0'" in bad.stderr
 
 
 def test_train_digits_mnist_without_files_explains_how_to_get_them(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ class LoaderTrial:
             setting was timed twice; 0.0 when nothing was measured.
         batches: batches that rate is computed from (warm-up and the first third after it excluded).
         seconds: wall time spent on this setting, worker start-up and warm-up included.
+        num_threads: torch's compute threads in this process during the trial (``torch.get_num_threads()``).
     """
 
     num_workers: int
@@ -57,11 +58,12 @@ class LoaderTrial:
     batches_per_s: float
     batches: int
     seconds: float
+    num_threads: int | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The DataLoader arguments this trial used."""
-        return {n: getattr(self, n) for n in TUNED}
+        """The DataLoader arguments this trial used, and its ``num_threads``."""
+        return {**{n: getattr(self, n) for n in TUNED}, "num_threads": self.num_threads}
 
 
 def uses_default_batch_sampler(loader: DataLoader[Any]) -> bool:
@@ -204,6 +206,7 @@ def time_setting(
     generator: torch.Generator,
     device: torch.device | None = None,
     step: Callable[[Any], object] | None = None,
+    num_threads: int | None = None,
 ) -> LoaderTrial:
     """Time one ``(num_workers, pin_memory, prefetch_factor)`` setting for about ``share`` seconds.
 
@@ -211,8 +214,30 @@ def time_setting(
     are counted until the share is spent (at least 4). With a ``device``, each batch is also copied there
     (:func:`copy_batch`), and the last stamp waits for the copies: what pinning saves or costs is in the
     rate, as the loop pays it. With a ``step``, it is called on each batch (as copied) in this process, so
-    the rate is the loop's: loading and the step competing for the same cores.
+    the rate is the loop's: loading and the step competing for the same cores. ``num_threads`` sets torch's
+    compute threads in this process for the trial (``torch.set_num_threads``, put back after); None keeps
+    them.
     """
+    threads_before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        trial = _timed(loader, sampling, setting, share, generator, device, step)
+    finally:
+        torch.set_num_threads(threads_before)
+    return dataclasses.replace(trial, num_threads=num_threads or threads_before)
+
+
+def _timed(
+    loader: DataLoader[Any],
+    sampling: Mapping[str, Any],
+    setting: tuple[int, bool, int | None],
+    share: float,
+    generator: torch.Generator,
+    device: torch.device | None,
+    step: Callable[[Any], object] | None,
+) -> LoaderTrial:
+    """:func:`time_setting` at the thread count in force."""
     workers, pin, prefetch = setting
     start = time.perf_counter()
     timing = rebuild_loader(

@@ -1,11 +1,15 @@
-"""Tip 2: ``num_workers``, ``pin_memory`` and ``prefetch_factor`` chosen by measurement, not by folklore.
+"""Tip 2: ``num_workers``, ``pin_memory``, ``prefetch_factor`` and torch's compute threads chosen by
+measurement, not by folklore.
 
 ``tune_loader(loader)`` times a few settings for a few batches each and returns a rebuilt loader with the
-fastest one, plus a :class:`LoaderReport`; the batches it yields, and their order, never change.
+fastest one, plus a :class:`LoaderReport`; the batches it yields, and their order, never change. With the
+training step (``step=``) it also splits this process's CPUs between the loader's workers and torch's
+compute threads (``torch.set_num_threads``), which otherwise fight for the same cores.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -41,6 +45,12 @@ __all__ = ["LoaderReport", "tune_loader"]
 # A setting within this fraction of the fastest counts as a tie; ties go to fewer workers (less memory).
 _TIE = 0.05
 
+# The environment variables through which a user fixes torch's compute threads (read by torch at start).
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+# (num_workers, pin_memory, prefetch_factor, num_threads): one timed setting; num_threads None keeps them.
+Setting = tuple[int, bool, int | None, int | None]
+
 
 @dataclass
 class LoaderReport:
@@ -55,6 +65,8 @@ class LoaderReport:
         start_method: the multiprocessing start method the workers use.
         measured: what each rate is of: ``"loading alone"``, or ``"loading with the training step"``
             (``tune_loader(step=...)``: batches/s of the whole loop).
+        num_threads_before: ``torch.get_num_threads()`` before the call; ``chosen["num_threads"]`` is the
+            count after it. ``torch.set_num_threads(report.num_threads_before)`` undoes the choice.
     """
 
     trials: list[LoaderTrial] = field(default_factory=list)
@@ -63,23 +75,25 @@ class LoaderReport:
     seconds: float = 0.0
     start_method: str = ""
     measured: str = "loading alone"
+    num_threads_before: int | None = None
 
     def __str__(self) -> str:
         lines = [
             f"tune_loader: {len(self.trials)} setting(s) timed in {self.seconds:.1f} s "
             f"(start method {self.start_method!r}); measured: {self.measured}",
-            f"{'num_workers':>11}  {'pin_memory':>10}  {'prefetch':>8}  {'batches/s':>10}  {'batches':>7}",
+            f"{'num_workers':>11}  {'pin_memory':>10}  {'prefetch':>8}  {'threads':>7}  {'batches/s':>10}  "
+            f"{'batches':>7}",
         ]
         for t in self.trials:
+            keys = (*TUNED, "num_threads")
             mark = (
-                "  <- chosen"
-                if all(t.settings[k] == self.chosen.get(k) for k in TUNED) and t.batches > 0
-                else ""
+                "  <- chosen" if all(t.settings[k] == self.chosen.get(k) for k in keys) and t.batches else ""
             )
             prefetch = "-" if t.prefetch_factor is None else str(t.prefetch_factor)
+            threads = "-" if t.num_threads is None else str(t.num_threads)
             lines.append(
-                f"{t.num_workers:>11}  {t.pin_memory!s:>10}  {prefetch:>8}  {t.batches_per_s:>10.1f}  "
-                f"{t.batches:>7}{mark}"
+                f"{t.num_workers:>11}  {t.pin_memory!s:>10}  {prefetch:>8}  {threads:>7}  "
+                f"{t.batches_per_s:>10.1f}  {t.batches:>7}{mark}"
             )
         chosen = ", ".join(f"{k}={v!r}" for k, v in self.chosen.items())
         lines.append(f"chosen: {chosen}")
@@ -88,7 +102,12 @@ class LoaderReport:
 
 
 def _check_tune_args(
-    loader: object, max_seconds: object, candidates: object, progress: object, step: object = None
+    loader: object,
+    max_seconds: object,
+    candidates: object,
+    progress: object,
+    step: object = None,
+    num_threads: object = "auto",
 ) -> list[dict[str, Any]] | None:
     """Validate ``tune_loader``'s arguments; return the candidates as full dicts, or None for the grid."""
     if not isinstance(loader, DataLoader):
@@ -103,7 +122,9 @@ def _check_tune_args(
             f"epoch). Tune the plain loader first, then wrap it: "
             f"loader = distributed(tune_loader(loader)[0])."
         )
-    with validate.arguments(f"tune_loader(max_seconds={max_seconds!r}, candidates={candidates!r})"):
+    said = f"tune_loader(max_seconds={max_seconds!r}, candidates={candidates!r}"
+    said += ")" if num_threads == "auto" else f", num_threads={num_threads!r})"
+    with validate.arguments(said):
         validate.flag(progress, "progress")
         if step is not None and not callable(step):
             raise TypeError(
@@ -111,6 +132,9 @@ def _check_tune_args(
                 f"loading alone. Pass e.g. step=lambda batch: train_step(*batch)."
             )
         validate.real(max_seconds, "max_seconds", positive=True, example="20 (seconds)")
+        if num_threads != "auto":
+            fix = "'auto' (timed with the step), an int >= 1, or None (left as they are)"
+            validate.integer(num_threads, "num_threads", minimum=1, none_ok=True, example=fix)
         if candidates is None:
             return None
         example = "candidates=[{'num_workers': 0}, {'num_workers': 2, 'prefetch_factor': 4}]"
@@ -172,6 +196,7 @@ def tune_loader(
     candidates: Sequence[Mapping[str, Any]] | None = None,
     progress: bool = True,
     step: Callable[[Any], object] | None = None,
+    num_threads: int | str | None = "auto",
 ) -> tuple[DataLoader[Any], LoaderReport]:
     """Time a few loader settings on this machine and return a loader rebuilt with the fastest one.
 
@@ -184,6 +209,16 @@ def tune_loader(
     won by fewer workers, then by the loader's own ``pin_memory``. Without ``step`` only loading is timed;
     with it each batch also goes through the training step here, so workers compete with the step for the
     cores, as in training. The step runs for real: give it copies of the model and optimizer.
+
+    Compute threads (``num_threads="auto"`` with a ``step``): the CPUs this process may use are split
+    between loading and compute. First the step runs at the plan's fewest workers ``w`` with
+    ``min(torch.get_num_threads(), CPUs - w)`` threads, half as many and 1 (threads waiting on a core that
+    another process holds make a CPU step several times slower); then each worker setting runs with at most
+    the fastest of those counts and the CPUs its workers leave. The winner (a tie goes to fewer workers,
+    then fewer threads) is set with ``torch.set_num_threads``. The thread count changes float rounding, so
+    runs tuned on a busy and a quiet machine may differ in the last bits: threads are kept as they are under
+    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and deterministic algorithms; an int fixes them, None leaves
+    them alone.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
     ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
@@ -203,14 +238,18 @@ def tune_loader(
         progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
         step: the training step, called as ``step(batch)`` on every timed batch (after the copy to the GPU
             with CUDA); None times loading alone.
+        num_threads: torch's compute threads in this process: ``"auto"`` (timed with ``step``; without one,
+            left alone), an int >= 1 (used for every trial, and set), or None (left alone).
 
     Returns:
-        ``(new_loader, report)``: a plain ``DataLoader`` and a :class:`LoaderReport` (``print`` it).
+        ``(new_loader, report)``: a plain ``DataLoader`` and a :class:`LoaderReport` (``print`` it);
+        ``report.chosen["num_threads"]`` is the thread count in force after the call, and
+        ``torch.set_num_threads(report.num_threads_before)`` puts back the one before.
 
     Raises:
         TypeError: ``loader`` is not a plain DataLoader (a subclass such as ``distributed()``'s would lose
             its behaviour: tune first, then wrap), or an argument has the wrong type.
-        ValueError: ``max_seconds`` not > 0 and finite, or a malformed candidate.
+        ValueError: ``max_seconds`` not > 0 and finite, ``num_threads`` < 1, or a malformed candidate.
 
     Example:
         >>> loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
@@ -220,7 +259,7 @@ def tune_loader(
         >>> report.chosen["num_workers"]
         0
     """
-    explicit = _check_tune_args(loader, max_seconds, candidates, progress, step)
+    explicit = _check_tune_args(loader, max_seconds, candidates, progress, step, num_threads)
     began = time.perf_counter()
     deadline = began + float(max_seconds)
     method = start_method(loader.multiprocessing_context)
@@ -263,6 +302,11 @@ def tune_loader(
             "once, 0 workers would draw it every epoch and change the shuffle from the second epoch on"
         )
 
+    threads_before = torch.get_num_threads()
+    threads_for, tune_threads, thread_note = _thread_plan(num_threads, step, threads_before)
+    if thread_note:
+        notes.append(thread_note)
+
     def allowed(workers: int) -> bool:
         if blocked is not None and workers > 0:
             return False
@@ -270,11 +314,11 @@ def tune_loader(
             return False
         return not (iterable and workers != loader.num_workers)
 
-    def settings(workers: int, pin: bool | None, prefetch: int | None) -> tuple[int, bool, int | None]:
+    def settings(workers: int, pin: bool | None, prefetch: int | None) -> Setting:
         pin = cuda if pin is None else pin
         if workers == 0:
-            return (0, pin, None)
-        return (workers, pin, prefetch or 2)
+            return (0, pin, None, threads_for(workers))
+        return (workers, pin, prefetch or 2, threads_for(workers))
 
     if explicit is not None:
         plan = [settings(c["num_workers"], c["pin_memory"], c["prefetch_factor"]) for c in explicit]
@@ -297,13 +341,18 @@ def tune_loader(
     report = LoaderReport(start_method=method, measured=measured_what)
     # Each setting is timed twice, round-robin, and keeps its better rate: on a busy machine a burst of
     # someone else's work slows one run, rarely both.
-    rounds = 2 if len(plan) > 1 or extra_phases else 1
-    runs = rounds * (len(plan) + ((any(w > 0 for w, _, _ in plan) + cuda) if extra_phases else 0))
+    rounds = 2 if len(plan) > 1 or extra_phases or tune_threads else 1
+    # Compute threads first (tune_threads): the step at the plan's fewest workers with all the threads the
+    # split leaves, half as many and 1; the plan then runs with no more threads than the fastest of those.
+    first = min(plan, key=lambda s: s[0])
+    threads_stage = [(*first[:3], t) for t in sorted({first[3] or 1, (first[3] or 1) // 2, 1} - {0})[::-1]]
+    loader_phases = (any(s[0] > 0 for s in plan) + cuda) if extra_phases else 0
+    runs = rounds * (len(plan) + loader_phases + (len(threads_stage) if tune_threads else 0))
     bar = _progress(runs, progress)
-    measured: dict[tuple[int, bool, int | None], LoaderTrial] = {}
+    measured: dict[Setting, LoaderTrial] = {}
     with preserved_rng(loader.generator, *sampler_generators(loader)):
         sampling = timing_sampling(loader)
-        queue = plan * rounds
+        queue = threads_stage * rounds if tune_threads else plan * rounds
         i = done = 0
         while i < len(queue):
             setting = queue[i]
@@ -315,33 +364,56 @@ def tune_loader(
                     notes.append(f"the time budget ran out before {len(missing)} setting(s) could be timed")
                 break
             share = max(0.2, (deadline - now) / max(1, runs - done))
+            workers, pin, prefetch, threads = setting
             trial = time_setting(
-                loader, sampling, setting, share, timing_generator, device=copy_to, step=step
+                loader,
+                sampling,
+                (workers, pin, prefetch),
+                share,
+                timing_generator,
+                device=copy_to,
+                step=step,
+                num_threads=threads,
             )
             done += 1
             measured[setting] = better(measured.get(setting), trial)
             if bar is not None:
                 bar.update(1)
-            if extra_phases and i == len(queue):  # refine the fastest worker setting, once each
+            if i < len(queue):
+                continue
+            w, pin, prefetch, threads = max(measured, key=lambda key: measured[key].batches_per_s)
+            extra: list[Setting] = []
+            if tune_threads:  # the threads are chosen: the plan, with at most that many
+                tune_threads = False
+                capped = [(*p[:3], min(threads or 1, p[3] or 1)) for p in plan]
+                extra = [p for p in dict.fromkeys(capped) if p not in measured]
+            if not extra and extra_phases:  # refine the fastest worker setting, once each
                 extra_phases = False
-                best = max(measured.values(), key=lambda t: t.batches_per_s)
-                extra: list[tuple[int, bool, int | None]] = []
-                if best.num_workers > 0 and best.prefetch_factor == 2:
-                    extra.append((best.num_workers, best.pin_memory, 4))
+                if w > 0 and prefetch == 2:
+                    extra.append((w, pin, 4, threads))
                 if cuda:
-                    extra.append((best.num_workers, not best.pin_memory, best.prefetch_factor))
-                queue += [e for e in extra if e not in measured] * rounds
+                    extra.append((w, not pin, prefetch, threads))
+                extra = [e for e in extra if e not in measured]
+            queue += extra * rounds
         if bar is not None:
             bar.close()
     report.trials = list(measured.values())
 
     chosen, reason = _choose(report.trials, keep_pin=bool(loader.pin_memory))
-    workers, pin, prefetch = chosen
+    workers, pin, prefetch, threads = chosen
+    if threads_for(workers) is not None and threads is not None:  # tuned or given: set for the training
+        torch.set_num_threads(threads)
+        if num_threads == "auto":
+            notes.append(
+                f"compute threads: {threads} (torch.set_num_threads({threads}); it was {threads_before})"
+            )
+    report.num_threads_before = threads_before
     report.chosen = {
         "num_workers": workers,
         "pin_memory": pin,
         "prefetch_factor": prefetch,
         "persistent_workers": persistent and workers > 0,
+        "num_threads": torch.get_num_threads(),
     }
     report.reason = "; ".join([reason, *notes]) + "."
     report.seconds = time.perf_counter() - began
@@ -372,16 +444,20 @@ def _copy_target() -> torch.device | None:
 
 def _choose(
     trials: Sequence[LoaderTrial], keep_pin: bool = False
-) -> tuple[tuple[int, bool, int | None], str]:
+) -> tuple[tuple[int, bool, int | None, int | None], str]:
     measured = [t for t in trials if t.batches > 0]
     if not measured:
         t = trials[0]
-        return (t.num_workers, t.pin_memory, t.prefetch_factor), "nothing could be measured (too few batches)"
+        chosen = (t.num_workers, t.pin_memory, t.prefetch_factor, t.num_threads)
+        return chosen, "nothing could be measured (too few batches)"
     best = max(measured, key=lambda t: t.batches_per_s)
     ties = [t for t in measured if t.batches_per_s >= (1 - _TIE) * best.batches_per_s]
-    # ties: fewer workers, then less prefetch, then the loader's own pinning (a tie means flipping it did
-    # not measurably help)
-    pick = min(ties, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory != keep_pin))
+    # ties: fewer workers, then fewer compute threads, then less prefetch, then the loader's own pinning (a
+    # tie means flipping it did not measurably help)
+    pick = min(
+        ties,
+        key=lambda t: (t.num_workers, t.num_threads or 0, t.prefetch_factor or 0, t.pin_memory != keep_pin),
+    )
     if len(measured) == 1:
         reason = "the only setting timed"
     elif pick is best:
@@ -390,6 +466,38 @@ def _choose(
         reason = (
             f"{pick.batches_per_s:.1f} batches/s is within {_TIE:.0%} of the fastest "
             f"({best.batches_per_s:.1f} with num_workers={best.num_workers}, "
-            f"prefetch_factor={best.prefetch_factor}), with fewer workers"
+            f"prefetch_factor={best.prefetch_factor}, {best.num_threads} threads), with fewer workers or "
+            f"threads"
         )
-    return (pick.num_workers, pick.pin_memory, pick.prefetch_factor), reason
+    return (pick.num_workers, pick.pin_memory, pick.prefetch_factor, pick.num_threads), reason
+
+
+def split_cores(cores: int, workers: int, threads_now: int) -> int:
+    """Compute threads beside ``workers`` loader processes on ``cores`` CPUs: the cores the workers leave,
+    never more than ``threads_now`` (torch's count, or the user's), at least 1."""
+    return max(1, min(threads_now, cores - workers))
+
+
+def _thread_plan(
+    num_threads: int | str | None, step: object, threads_now: int
+) -> tuple[Callable[[int], int | None], bool, str]:
+    """How trials set compute threads: ``(threads for w workers, whether fewer are tried, a note)``.
+
+    A function returning None keeps the count in force (and the call leaves it).
+    """
+    if num_threads is None:
+        return (lambda workers: None), False, ""
+    if isinstance(num_threads, int):
+        fixed = num_threads
+        return (lambda workers: fixed), False, f"compute threads: {fixed} (num_threads={fixed})"
+    if step is None:  # loading alone: the step's threads are not in the measure
+        return (lambda workers: None), False, ""
+    kept = f"compute threads kept at {threads_now}"
+    variables = [name for name in _THREAD_VARIABLES if os.environ.get(name)]
+    if variables:
+        return (lambda workers: None), False, f"{kept}: {variables[0]} is set"
+    if torch.are_deterministic_algorithms_enabled():
+        why = "deterministic algorithms are on, and the thread count changes float rounding"
+        return (lambda workers: None), False, f"{kept}: {why}"
+    cores = max(1, cpus_per_process())
+    return (lambda workers: split_cores(cores, workers, threads_now)), True, ""

@@ -151,6 +151,7 @@ def test_tuned_loader_keeps_timeout_context_and_init_fn() -> None:
         "pin_memory": False,
         "prefetch_factor": 2,
         "persistent_workers": False,
+        "num_threads": torch.get_num_threads(),  # without a step, left as they are
     }
 
 
@@ -169,9 +170,9 @@ def test_choice_prefers_fewer_workers_within_five_percent() -> None:
 
     trials = [LoaderTrial(0, False, None, 10.0, 9, 1), LoaderTrial(2, False, 2, 30.0, 9, 1)]
     trials += [LoaderTrial(4, False, 2, 31.0, 9, 1)]
-    (workers, _, prefetch), reason = _choose(trials)
+    (workers, _, prefetch, _), reason = _choose(trials)
     assert (workers, prefetch) == (2, 2) and "within 5%" in reason
-    (workers, _, _), reason = _choose([*trials, LoaderTrial(8, False, 2, 40.0, 9, 1)])
+    (workers, _, _, _), reason = _choose([*trials, LoaderTrial(8, False, 2, 40.0, 9, 1)])
     assert workers == 8 and reason.startswith("fastest")
 
 
@@ -285,9 +286,9 @@ def test_a_tie_keeps_the_loaders_own_pinning() -> None:
 
     trials = [LoaderTrial(2, False, 2, 100.0, 50, 1.0), LoaderTrial(2, True, 2, 98.0, 49, 1.0)]
     for own in (False, True):
-        assert _choose(trials, keep_pin=own)[0] == (2, own, 2)
+        assert _choose(trials, keep_pin=own)[0] == (2, own, 2, None)
     trials[1] = LoaderTrial(2, True, 2, 130.0, 65, 1.0)  # pinning helps: it wins whatever the loader had
-    assert _choose(trials, keep_pin=False)[0] == (2, True, 2)
+    assert _choose(trials, keep_pin=False)[0] == (2, True, 2, None)
 
 
 # ------------------------------------------------------------- tune_loader(step=): the loop's own contention
@@ -320,7 +321,9 @@ def _step(matmuls: int, seen: list):
 def test_a_step_on_every_core_makes_workers_lose_where_loading_is_cheap(every_core) -> None:
     seen: list = []
     cheap = DataLoader(TensorDataset(torch.arange(80_000.0).reshape(-1, 4)), batch_size=8)
-    _, report = tune_loader(cheap, candidates=BOTH, step=_step(1, seen), max_seconds=3, progress=False)
+    _, report = tune_loader(
+        cheap, candidates=BOTH, step=_step(1, seen), max_seconds=3, progress=False, num_threads=None
+    )
     assert report.chosen["num_workers"] == 0, str(report)
     assert report.measured == "loading with the training step"
     assert "measured: loading with the training step" in str(report)
@@ -331,8 +334,153 @@ def test_a_step_on_every_core_makes_workers_lose_where_loading_is_cheap(every_co
 @pytest.mark.slow
 def test_where_loading_dominates_the_step_two_workers_are_chosen(every_core) -> None:
     slow_items = DataLoader(Costly(1.0), batch_size=8)  # 8 ms per batch, waiting on I/O
-    _, report = tune_loader(slow_items, candidates=BOTH, step=_step(1, []), max_seconds=3, progress=False)
+    _, report = tune_loader(
+        slow_items, candidates=BOTH, step=_step(1, []), max_seconds=3, progress=False, num_threads=None
+    )
     assert report.chosen["num_workers"] == 2, str(report)
     assert report.measured == "loading with the training step"
     _, alone = tune_loader(DataLoader(list(range(8))), candidates=BOTH[:1], max_seconds=1, progress=False)
     assert alone.measured == "loading alone" and "measured: loading alone" in str(alone)
+
+
+# ------------------------------------------------------------- compute threads: the cores split with loading
+@pytest.fixture
+def threads_kept():
+    """tune_loader(step=...) sets torch's thread count on purpose: put the test's back after."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def _fake_timing(
+    monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[int, int], float]
+) -> list[tuple[int, int]]:
+    """Replace the clock: each (num_workers, num_threads) trial gets the rate of ``rates``; returns the
+    trials run, in order. No timing in these tests: only the choice's logic."""
+    from speedups.data import tuning
+    from speedups.data.timing import LoaderTrial
+
+    ran: list[tuple[int, int]] = []
+
+    def fake(loader, sampling, setting, share, generator, device=None, step=None, num_threads=None):
+        workers, pin, prefetch = setting
+        threads = torch.get_num_threads() if num_threads is None else num_threads
+        ran.append((workers, threads))
+        return LoaderTrial(workers, pin, prefetch, rates.get((workers, threads), 1.0), 20, 0.01, threads)
+
+    monkeypatch.setattr(tuning, "time_setting", fake)
+    return ran
+
+
+def _two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    torch.set_num_threads(2)  # torch's default on 2 cores
+
+
+def test_split_cores_gives_compute_what_the_workers_leave_never_more_than_before() -> None:
+    from speedups.data.tuning import split_cores
+
+    assert [split_cores(2, w, 2) for w in (0, 1, 2, 3)] == [2, 1, 1, 1]
+    assert [split_cores(8, w, 8) for w in (0, 2, 4, 8)] == [8, 6, 4, 1]
+    assert split_cores(8, 2, 4) == 4  # a count the user lowered is an upper bound
+
+
+@pytest.mark.parametrize(
+    ("rates", "threads"),
+    [
+        ({(0, 2): 40.0, (0, 1): 100.0, (1, 1): 90.0}, 1),  # a busy core beside: 2 threads wait on each other
+        ({(0, 2): 100.0, (0, 1): 60.0, (1, 1): 80.0}, 2),  # a quiet machine, a step that scales
+        ({(0, 2): 100.0, (0, 1): 97.0, (1, 1): 50.0}, 1),  # within 5%: fewer threads
+    ],
+    ids=["busy", "quiet", "tie"],
+)
+def test_with_a_step_two_cores_are_split_between_threads_and_workers(
+    monkeypatch: pytest.MonkeyPatch, threads_kept, rates: dict, threads: int
+) -> None:
+    _two_cores(monkeypatch)
+    ran = _fake_timing(monkeypatch, rates)
+    loader = DataLoader(Squares(64), batch_size=8)
+    candidates = [{"num_workers": 0}, {"num_workers": 1}]
+    _, report = tune_loader(loader, candidates=candidates, step=lambda b: None, max_seconds=5, progress=False)
+    # first the step's threads at 0 workers (all, half as many = 1), twice round-robin; then 1 worker with
+    # the single core it leaves
+    assert ran == [(0, 2), (0, 1), (0, 2), (0, 1), (1, 1), (1, 1)]
+    assert report.chosen["num_threads"] == threads == torch.get_num_threads()  # set for the training
+    assert report.chosen["num_workers"] == 0 and report.num_threads_before == 2
+    if threads != 2:
+        assert f"compute threads: {threads} (torch.set_num_threads({threads}); it was 2)" in report.reason
+    assert "threads" in str(report) and str(report).count("<- chosen") == 1
+
+
+def test_the_plan_never_gets_more_threads_than_the_step_was_fastest_with(monkeypatch, threads_kept) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    torch.set_num_threads(8)
+    ran = _fake_timing(monkeypatch, {(0, 8): 10.0, (0, 4): 50.0, (0, 1): 20.0, (2, 4): 60.0, (4, 4): 55.0})
+    candidates = [{"num_workers": w} for w in (0, 2, 4, 6)]
+    _, report = tune_loader(
+        DataLoader(Squares(64), batch_size=8), candidates=candidates, step=lambda b: None, progress=False
+    )
+    assert ran[:6] == [(0, 8), (0, 4), (0, 1)] * 2
+    assert sorted(set(ran[6:])) == [(2, 4), (4, 4), (6, 2)]  # min(4, 8 - workers)
+    assert (
+        (report.chosen["num_workers"], report.chosen["num_threads"]) == (2, 4) == (2, torch.get_num_threads())
+    )
+
+
+def test_the_users_thread_settings_are_respected(monkeypatch: pytest.MonkeyPatch, threads_kept) -> None:
+    from speedups.reproducible import deterministic
+
+    _two_cores(monkeypatch)
+    ran = _fake_timing(monkeypatch, {(0, 2): 10.0, (0, 1): 100.0})
+    loader, step = DataLoader(Squares(64), batch_size=8), (lambda b: None)
+    zero = [{"num_workers": 0}]
+    # None: left alone, whatever the rates
+    _, report = tune_loader(loader, candidates=zero, step=step, num_threads=None, progress=False)
+    assert set(ran) == {(0, 2)} and torch.get_num_threads() == 2 == report.chosen["num_threads"]
+    # an int: every trial with it, and set
+    ran.clear()
+    _, report = tune_loader(loader, candidates=zero, step=step, num_threads=1, progress=False)
+    assert set(ran) == {(0, 1)} and torch.get_num_threads() == 1 == report.chosen["num_threads"]
+    assert "num_threads=1" in report.reason
+    torch.set_num_threads(2)
+    # OMP_NUM_THREADS in the environment: the user's count, kept
+    ran.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    _, report = tune_loader(loader, candidates=zero, step=step, progress=False)
+    assert set(ran) == {(0, 2)} and torch.get_num_threads() == 2
+    assert "compute threads kept at 2: OMP_NUM_THREADS is set" in report.reason
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # deterministic algorithms: the thread count changes float rounding, so it is not chosen by a clock
+    ran.clear()
+    with deterministic(seed=None):
+        _, report = tune_loader(loader, candidates=zero, step=step, progress=False)
+    assert set(ran) == {(0, 2)} and "deterministic algorithms are on" in report.reason
+    # without a step there is nothing to time them with
+    ran.clear()
+    _, report = tune_loader(loader, candidates=zero, progress=False)
+    assert set(ran) == {(0, 2)} and torch.get_num_threads() == 2 and "thread" not in report.reason
+
+
+def test_a_real_trial_runs_the_step_with_the_threads_asked_and_puts_them_back(threads_kept) -> None:
+    seen: list[int] = []
+    loader = DataLoader(Squares(16), batch_size=4)
+    torch.set_num_threads(2)
+    _, report = tune_loader(
+        loader, candidates=[{"num_workers": 0}], step=lambda b: seen.append(torch.get_num_threads()),
+        num_threads=1, max_seconds=0.5, progress=False,
+    )  # fmt: skip
+    assert set(seen) == {1} and report.trials[0].num_threads == 1 and report.num_threads_before == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (0, ValueError, r"tune_loader\(.*num_threads=0\): num_threads=0: must be an int >= 1 or None"),
+        ("many", TypeError, r"num_threads='many': expected an int >= 1 or None.*'auto'"),
+        (2.0, TypeError, r"num_threads=2\.0: expected an int"),
+        (True, TypeError, r"num_threads=True: expected an int"),
+    ],
+)
+def test_bad_num_threads_is_refused_before_anything_runs(value, error, match) -> None:
+    with pytest.raises(error, match=match):
+        tune_loader(DataLoader(list(range(4))), num_threads=value)
