@@ -1,5 +1,10 @@
 """A collective of speedups called on some ranks only says so and fails at the timeout; rank 0 saves alone;
-main_process_first orders the ranks; the rank helpers read the launcher."""
+main_process_first orders the ranks; the rank helpers read the launcher.
+
+No wall-clock upper bound here (a loaded machine stretches every duration): what is asserted is what
+happens and in which order (a notice, then the failure; no notice where nothing waits), and the lower
+bounds a timeout guarantees. The job's own limit, generous, only stops a hang.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +18,17 @@ from speedups import launch, local_rank, main_process_first, rank, world_size
 from tests._dist import WORKERS, run_torchrun
 
 
-def _run(mode: str, tmp_path: Path) -> tuple[list[dict], str, float]:
-    began = time.monotonic()
-    out = run_torchrun(WORKERS / "one_rank_collectives.py", [mode, str(tmp_path)], nproc=2, timeout=60)
-    seconds = time.monotonic() - began
+def _run(mode: str, tmp_path: Path) -> tuple[list[dict], str]:
+    out = run_torchrun(WORKERS / "one_rank_collectives.py", [mode, str(tmp_path)], nproc=2, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)], out.stderr, seconds
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)], out.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_save_checkpoint_on_rank_0_only_saves_what_rank_0_holds_within_seconds(tmp_path: Path) -> None:
-    results, _, seconds = _run("save_rank0", tmp_path)
-    assert seconds < 30
+def test_save_checkpoint_on_rank_0_only_saves_what_rank_0_holds_without_waiting(tmp_path: Path) -> None:
+    results, stderr = _run("save_rank0", tmp_path)
+    assert "still waiting" not in stderr and "gave up" not in stderr  # no rank waited on another
     assert all(r["error"] is None and r["result"]["values"] == {"iter_num": 2} for r in results)
     assert "other ranks' RNG states are not in the file" in results[0]["result"]["warned"][0]
     assert results[1]["result"]["warned"] == []
@@ -39,15 +42,14 @@ def test_save_checkpoint_on_rank_0_only_saves_what_rank_0_holds_within_seconds(t
 def test_a_collective_on_one_rank_says_which_call_and_fails_at_the_timeout(
     tmp_path: Path, mode: str, calls: str
 ) -> None:
-    results, stderr, seconds = _run(mode, tmp_path)
-    assert seconds < 30  # the 12 s collective timeout, not later
+    results, stderr = _run(mode, tmp_path)
     errors = [r["error"] for r in results]
     assert all(e is not None and "gave up after 12 s" in e and "every rank must call it" in e for e in errors)
     assert any(e.startswith(f"{calls}() on rank") for e in errors)
-    assert (
-        "still waiting after 10 s" in stderr and f"{calls}() is collective" in stderr
-    )  # said before failing
-    assert all(10 < r["seconds"] < 20 for r in results)
+    # said while waiting (10 s), before the failure (12 s): the notice names the call, the error the timeout
+    assert "still waiting after 10 s" in stderr and f"{calls}() is collective" in stderr
+    # never before the timeout: a lower bound, which load cannot break
+    assert all(r["seconds"] > 10 for r in results)
 
 
 def _ordered(_: object) -> tuple[float, float, int, int, int]:
