@@ -721,9 +721,8 @@ class MetricLogger:
         self._floor = 0 if state["step"] is None else state["step"]
         self._row_step, self._rows_at_step = state["step"], rows or 0
         self._pending, self._in_flight = [], []
-        if state["step"] is not None:
-            for sink in self.sinks:
-                sink.resume_rows(state["step"], rows)
+        for sink in self.sinks:  # saved before any log (step None): the killed run's rows all came after
+            sink.resume_rows(-1 if state["step"] is None else state["step"], rows)
 
     def _merge_rank_states(self, states: list[Any], change: Any) -> dict[str, Any]:
         """On another number of processes: the writer's (rank 0's) position (``load_checkpoint`` calls it)."""

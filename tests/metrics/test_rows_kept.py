@@ -193,6 +193,20 @@ def test_a_checkpoint_without_a_row_count_keeps_every_row_at_its_step(tmp_path: 
         MetricLogger(tmp_path / "x").load_state_dict({"step": 1, "rows_at_step": -1})
 
 
+def test_a_checkpoint_saved_before_any_row_drops_every_row_of_the_killed_run(tmp_path: Path) -> None:
+    logger = MetricLogger(tmp_path, sinks=["csv", "jsonl"])
+    state = logger.state_dict()  # saved before the first log
+    logger.log(0, a=1.0)
+    logger.close()  # killed after it wrote step 0
+    resumed = MetricLogger(tmp_path, sinks=["csv", "jsonl"])
+    resumed.load_state_dict(state)
+    resumed.log(0, a=2.0)
+    resumed.close()  # no warning, no earlier file: those rows came after the checkpoint
+    assert _rows(tmp_path / "metrics.csv") == [{"step": "0", "a": "2.0"}]
+    assert [json.loads(line)["a"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "metrics.jsonl"]
+
+
 # -------------------------------------------------------------------------- a bad log_dir, line endings
 def test_a_log_dir_that_cannot_be_made_is_refused_when_the_logger_is_made(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")

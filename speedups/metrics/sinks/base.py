@@ -41,7 +41,8 @@ class Sink:
         """
 
     def resume(self, after_step: int) -> None:
-        """A resumed run appends after ``after_step``: forget (or hide) whatever was written later."""
+        """A resumed run appends after ``after_step``: forget (or hide) whatever was written later
+        (``-1``: the checkpoint was saved before any row, so every row written is later)."""
 
     def resume_rows(self, after_step: int, rows_at_step: int | None) -> None:
         """Like :meth:`resume`, and of the rows written at ``after_step`` itself keep only the first
