@@ -140,6 +140,7 @@ class Accumulator:
         self.warned_inner_backward = False
         self.clean_start = True  # the open window started with no gradient (see _drop_strays)
         OWNERSHIP.add(self)
+        self.calls_seen = OWNERSHIP.calls  # the calls of all steps after this step's last one
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
             for optimizer in optimizers:
@@ -175,7 +176,8 @@ class Accumulator:
             self._warn_zero_grad()
         if not self.pending:  # a window starts: with no gradient this step did not make
             self._drop_strays()
-        foreign = OWNERSHIP.foreign_to(self)  # other steps' parameters: [] in a one-step script
+        OWNERSHIP.calls = self.calls_seen = OWNERSHIP.calls + 1
+        foreign = OWNERSHIP.foreign_to(self)  # other steps' open windows: [] in a one-step script
         if not foreign:
             return self._call(wrapped, args, kwargs)
         kept = [p.grad for p in foreign]  # set aside: what this call's backward leaves there is dropped
@@ -224,6 +226,8 @@ class Accumulator:
             current_step.reset(token)
         self.step += 1
         self.pending += 1
+        if self.pending == 1 and not boundary:  # a window opens: other steps set it aside while they run
+            OWNERSHIP.opened(self)
         if self.hooks:
             if n is None:
                 self.window_log.append((detached, None))
@@ -257,6 +261,8 @@ class Accumulator:
             self.losses.append(loss)
         self.step += 1
         self.pending += 1
+        if self.pending == 1 and not boundary:  # a window opens: other steps set it aside while they run
+            OWNERSHIP.opened(self)
         if self.hooks:
             self._log_call(loss, n, keep_of(n) if n is not None else None)
         if self.sentinel is None:
@@ -321,6 +327,7 @@ class Accumulator:
                 placed = {id(p) for p in first}
                 order = first + [p for p in params if id(p) not in placed]
             self._params = (shape, params, order, ids)
+            OWNERSHIP.changed()  # what other steps set aside while they run
         return self._params[1], self._params[2]
 
     def owned_ids(self) -> set[int]:
@@ -501,6 +508,7 @@ class Accumulator:
             optimizer.zero_grad(set_to_none=True)
 
     def _reset_window(self) -> None:
+        OWNERSHIP.closed(self)
         self.pending = 0
         self.total_host = 0.0
         self.total_device = None
@@ -581,6 +589,8 @@ class Accumulator:
             self._update(synced=self.sync.flush_averaged, depth=2)
         finally:
             self.sync.after_flush(self.trainable())
+            if self.sync.zeroed:  # DDP's zero gradients: this step's own until its next update
+                OWNERSHIP.opened(self)
 
     def epoch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted (see ``Step.epoch``).
@@ -694,6 +704,7 @@ class Accumulator:
         self.window_log = list(state.get("log", []))
         self.feed = state.get("feed")
         self.sentinel = None
+        (OWNERSHIP.opened if self.pending else OWNERSHIP.closed)(self)
         self.sync.restart()
 
     def merge_states(self, states: list[Any], change: LayoutChange) -> dict[str, Any]:
@@ -763,25 +774,26 @@ class Accumulator:
 
     # ------------------------------------------------------------------------------------------ guard
     def _drop_strays(self) -> None:
-        """At a window's start: drop the gradients this step did not make, and warn once.
+        """At a window's start: drop the gradients this step did not make, as ``optimizer.zero_grad()`` at
+        the top of a hand-written loop drops them.
 
-        Another step's backward leaves none here (see :mod:`~speedups.accumulation.ownership`); these
-        came from a ``backward()`` outside any step, or a ``zero_grad(set_to_none=False)`` (zeros).
-        Dropping them is what ``optimizer.zero_grad()`` at the top of a hand-written loop does. One pass
-        over the parameters per window.
+        When another step ran since this one's last call, its backward made them (a GAN's generator loss
+        through D: see :mod:`~speedups.accumulation.ownership`), silently dropped; otherwise a
+        ``backward()`` outside any step or a ``zero_grad(set_to_none=False)`` (zeros) did, warned once.
+        One pass over the parameters per window.
         """
         zeroed = self.sync.zeroed  # DDP's zero gradients after a flush are this step's own
         strays = [p for p in self.trainable() if p.grad is not None and id(p) not in zeroed]
         self.clean_start = True
-        if strays:  # (rare) a parameter shared with a step whose window is open: that window's gradient
-            shared = OWNERSHIP.in_open_windows(self)
-            self.clean_start = not any(id(p) in shared for p in strays)
-            strays = [p for p in strays if id(p) not in shared]
         if not strays:
             return
+        shared = OWNERSHIP.in_open_windows(self)  # (rare) parameters shared with a step whose window is
+        if shared:  # open hold that window's gradients: kept
+            self.clean_start = not any(id(p) in shared for p in strays)
+            strays = [p for p in strays if id(p) not in shared]
         for p in strays:
             p.grad = None
-        if self.warned_strays:
+        if not strays or OWNERSHIP.calls != self.calls_seen or self.warned_strays:
             return
         self.warned_strays = True
         warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step

@@ -2,10 +2,16 @@
 
 A step owns the parameters of its optimizers. In a script with several steps (a GAN's ``d_step`` and
 ``g_step``), one step's backward can reach another's parameters: the generator's loss runs through the
-discriminator and leaves gradients on it, which the discriminator's next window would add to its own. The
+discriminator and leaves gradients on it, which the discriminator's window would add to its own. The
 hand-written loop drops them with ``netD.zero_grad()`` at the top of each iteration (pytorch/examples'
-``dcgan/main.py``). Here each step sets those parameters' gradients aside while it runs and puts them back
-after, so whatever its backward left on them is dropped and an open window there stays as it was.
+``dcgan/main.py``). Here:
+
+- a step whose window is open is protected: while another step runs, the open window's gradients are set
+  aside and put back after, so whatever that step's backward left there is dropped;
+- a step whose window is closed holds no gradient; what another step's backward leaves on it is found when
+  its next window starts, and dropped without a word, since another step ran in between (:attr:`calls`).
+
+A one-step script pays nothing here but a counter increment per call.
 """
 
 from __future__ import annotations
@@ -15,47 +21,71 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Ownership", "OWNERSHIP"]
+__all__ = ["OWNERSHIP", "Ownership"]
 
 
 class _Owner(Protocol):
-    pending: int
-
     def trainable(self) -> list[torch.Tensor]: ...
     def owned_ids(self) -> set[int]: ...
 
 
 class Ownership:
-    """The live steps, held weakly; a registry shared by every step of the process (:data:`OWNERSHIP`)."""
+    """The live steps and those with an open window, held weakly; one per process (:data:`OWNERSHIP`).
+
+    Attributes:
+        calls: calls of any step so far (a step compares it with its own count to know whether another
+            step ran since its last call).
+    """
 
     def __init__(self) -> None:
         self._steps: weakref.WeakSet[_Owner] = weakref.WeakSet()
+        self._open: weakref.WeakSet[_Owner] = weakref.WeakSet()
+        self._foreign: dict[int, list[torch.Tensor]] = {}  # id(step) -> what it sets aside, until changed
+        self.calls = 0
 
     def add(self, step: _Owner) -> None:
         """Register ``step`` (it leaves when it is collected)."""
         self._steps.add(step)
+        weakref.finalize(step, self.changed).atexit = False
+
+    def opened(self, step: _Owner) -> None:
+        """``step`` holds gradients of an open window (or gradients it gave, DDP after a flush)."""
+        if step not in self._open:
+            self._open.add(step)
+            self.changed()
+
+    def closed(self, step: _Owner) -> None:
+        """``step``'s window was applied or dropped: its parameters hold no gradient."""
+        if step in self._open:
+            self._open.discard(step)
+            self.changed()
+
+    def changed(self) -> None:
+        """Forget what was computed: a window opened or closed, a step went, or one's parameters changed."""
+        self._foreign.clear()
 
     def foreign_to(self, step: _Owner) -> list[torch.Tensor]:
-        """The parameters other live steps own and ``step`` does not (none in a one-step script: O(1))."""
-        if len(self._steps) < 2:
+        """The parameters of other steps' open windows that ``step`` does not own: what it sets aside while
+        it runs. ``[]`` (one check) when no other window is open; cached until something changes."""
+        opened = self._open
+        if not opened or (len(opened) == 1 and step in opened):
             return []
+        found = self._foreign.get(id(step))
+        if found is not None:
+            return found
         own = step.owned_ids()
         foreign: dict[int, torch.Tensor] = {}
-        for other in list(self._steps):
+        for other in list(opened):
             if other is not step:
                 for p in other.trainable():
                     if id(p) not in own:
                         foreign.setdefault(id(p), p)
-        return list(foreign.values())
+        found = self._foreign[id(step)] = list(foreign.values())
+        return found
 
     def in_open_windows(self, step: _Owner) -> set[int]:
-        """The ids of parameters ``step`` shares with other live steps whose windows are open."""
-        return {
-            id(p)
-            for other in list(self._steps)
-            if other is not step and other.pending
-            for p in other.trainable()
-        }
+        """The ids of parameters ``step`` shares with other steps whose windows are open."""
+        return {id(p) for other in list(self._open) if other is not step for p in other.trainable()}
 
 
 OWNERSHIP = Ownership()

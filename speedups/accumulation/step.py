@@ -8,6 +8,7 @@ nothing here runs on the hot path.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -173,9 +174,9 @@ class Step(_StepAttributes, wrapt.FunctionWrapper, Generic[F]):
     __bound_function_wrapper__ = _BoundStep
 
     def __init__(self, wrapped: F, acc: StepOwner) -> None:
-        box: list[Step[F]] = []
+        box: list[weakref.ref[Step[F]]] = []
         super().__init__(_outside_graphs(wrapped, box), acc)
-        box.append(self)
+        box.append(weakref.ref(self))  # weakly: a step no one holds goes at once, not at the next gc
         self._self_acc = acc
 
     def _acc(self) -> StepOwner:
@@ -193,7 +194,7 @@ def _outside_graphs(fn: F, box: list[Any]) -> F:
     @functools.wraps(fn)
     def step_body(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # dynamo imports itself; made when traced only
-            return torch.compiler.disable(box[0])(*args, **kwargs)
+            return torch.compiler.disable(box[0]())(*args, **kwargs)
         return fn(*args, **kwargs)
 
     return step_body  # type: ignore[return-value]
