@@ -750,7 +750,7 @@ class Accumulator:
             "grads": grads,
             "losses": [x for s in states for x in s.get("losses", [])] if rank == 0 else [],
             "ref_n": ref,
-            "log": _merged_log([s.get("log", []) for s in states], pending, items) if pending else [],
+            "log": _merged_log([s.get("log", []) for s in states], pending, items, rank) if pending else [],
             "feed": None,  # epoch(loader) says again which loader feeds it, in this layout
         }
 
@@ -883,9 +883,11 @@ def _weighted_sum(grads: list[Any], weights: list[float]) -> torch.Tensor | None
     return total
 
 
-def _merged_log(logs: list[list[Any]], pending: int, items: bool) -> list[tuple[Any, Any]]:
+def _merged_log(logs: list[list[Any]], pending: int, items: bool, rank: int) -> list[tuple[Any, Any]]:
     """The window log (what ``UpdateRecord.loss`` averages) of ``pending`` calls merged from every rank's:
-    the job's mean so far, as ``pending`` calls (mean losses), or its totals in the first (item counts)."""
+    the job's mean so far, as ``pending`` calls on every rank (mean losses), or its totals in rank 0's
+    first call and zeros elsewhere (item counts), so the ranks' sums (``UpdateRecord.loss_totals``) count
+    the saved calls once."""
     parts = [part for log in logs for part in log]
     if not parts or any(len(log) != len(logs[0]) for log in logs):
         return []  # no hook saw this window: records of it carry no loss, as after any late registration
@@ -895,7 +897,7 @@ def _merged_log(logs: list[list[Any]], pending: int, items: bool) -> list[tuple[
         return [(mean, None)] * pending
     count = functools.reduce(lambda a, b: a + b, [n for _, n in parts])
     zero = (torch.zeros_like(total), count * 0)
-    return [(total, count)] + [zero] * (pending - 1)
+    return ([(total, count)] if rank == 0 else [zero]) + [zero] * (pending - 1)
 
 
 def _length(batches: Any) -> int | None:

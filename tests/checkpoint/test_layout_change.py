@@ -111,3 +111,16 @@ def test_with_a_second_loader_the_one_the_step_trains_on_sets_the_global_batch(t
         r"process x accumulate\(4\) x batch 8 = 32",
     ):
         load_checkpoint(tmp_path / "c.pt", **with_test_loader(4, 8))
+
+
+def test_the_merged_window_log_counts_the_saved_calls_once_over_the_new_ranks() -> None:
+    """Item counts: rank 0 carries the saved window's totals, the others zeros, so the ranks' summed
+    (loss * items, items), what MetricLogger.log_update all-reduces, is the job's once, not W times."""
+    from speedups.accumulation.accumulator import _merged_log
+
+    logs = [[(torch.tensor(6.0), 3), (torch.tensor(2.0), 1)], [(torch.tensor(4.0), 2), (torch.tensor(0.0), 0)]]
+    merged = [_merged_log(logs, 2, True, rank) for rank in range(3)]
+    assert all(len(m) == 2 for m in merged)
+    assert sum(float(x) for m in merged for x, _ in m) == 12.0 and sum(n for m in merged for _, n in m) == 6
+    means = [_merged_log(logs, 2, False, rank) for rank in range(2)]
+    assert all(float(x) == 3.0 and n is None for m in means for x, n in m)  # each rank: the job's mean
