@@ -118,7 +118,8 @@ def test_the_merged_window_log_counts_the_saved_calls_once_over_the_new_ranks() 
     (loss * items, items), what MetricLogger.log_update all-reduces, is the job's once, not W times."""
     from speedups.accumulation.accumulator import _merged_log
 
-    logs = [[(torch.tensor(6.0), 3), (torch.tensor(2.0), 1)], [(torch.tensor(4.0), 2), (torch.tensor(0.0), 0)]]
+    t = torch.tensor
+    logs = [[(t(6.0), 3), (t(2.0), 1)], [(t(4.0), 2), (t(0.0), 0)]]
     merged = [_merged_log(logs, 2, True, rank) for rank in range(3)]
     assert all(len(m) == 2 for m in merged)
     assert sum(float(x) for m in merged for x, _ in m) == 12.0 and sum(n for m in merged for _, n in m) == 6
