@@ -9,7 +9,7 @@ holding out 20% for test, and prints the final line ``test_accuracy=<float>`` fo
     python examples/train_digits.py --dataset mnist --data-root ./data --download
 
 What speedups changes against the plain loop (each marked ``# speedups`` below):
-- ``tune_loader(loader, step=...)`` times the step (on a copy of the model, about a second) with all of
+- ``tune_loader(loader, step=...)`` times the step (on a copy of the model, about 2 s) with all of
   this process's cores as torch compute threads, half as many and one, and keeps the fastest
   (``torch.set_num_threads``): a core busy with another program makes threads wait on each other, several
   times slower. ``--threads N`` fixes the count instead (float rounding depends on it).
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> float:
         step=probe_step(model, device, amp),
         candidates=[{"num_workers": 0}],
         num_threads=args.threads,
-        max_seconds=1,
+        max_seconds=2,
         progress=False,
     )
     print(f"tune_loader: num_threads={report.chosen['num_threads']} (was {report.num_threads_before})")

@@ -8,7 +8,6 @@ settings but the same sampling.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,8 +50,6 @@ class LoaderTrial:
         batches: batches that rate is computed from (warm-up and the first third after it excluded).
         seconds: wall time spent on this setting, worker start-up and warm-up included.
         num_threads: torch's compute threads in this process during the trial (``torch.get_num_threads()``).
-        steady_per_s: 1 / the median time between two batches over the same batches (batches per second):
-            unlike the rate, it ignores a burst of another process's work; the better of two runs.
     """
 
     num_workers: int
@@ -62,7 +59,6 @@ class LoaderTrial:
     batches: int
     seconds: float
     num_threads: int | None = None
-    steady_per_s: float = 0.0
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -277,10 +273,7 @@ def _timed(
     batches = len(stamps) - 1 - first
     elapsed = stamps[-1] - stamps[first] if stamps else 0.0
     rate = batches / elapsed if batches > 0 and elapsed > 0 else 0.0
-    gaps = sorted(b - a for a, b in itertools.pairwise(stamps[first:]))
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    steady = 1 / median if median > 0 else 0.0
-    return LoaderTrial(workers, pin, prefetch, rate, batches, end - start, steady_per_s=steady)
+    return LoaderTrial(workers, pin, prefetch, rate, batches, end - start)
 
 
 def _use(batch: Any, device: torch.device | None, pinned: bool, step: Callable[[Any], object] | None) -> None:
@@ -292,10 +285,8 @@ def _use(batch: Any, device: torch.device | None, pinned: bool, step: Callable[[
 
 
 def better(old: LoaderTrial | None, new: LoaderTrial) -> LoaderTrial:
-    """Merge two runs of one setting: the better rate (and its batch count), the better steady rate, the
-    time of both."""
+    """Merge two runs of one setting: the better rate (and its batch count), the time of both."""
     if old is None:
         return new
     best = new if new.batches_per_s > old.batches_per_s else old
-    steady = max(old.steady_per_s, new.steady_per_s)
-    return dataclasses.replace(best, seconds=old.seconds + new.seconds, steady_per_s=steady)
+    return dataclasses.replace(best, seconds=old.seconds + new.seconds)

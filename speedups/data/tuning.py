@@ -214,12 +214,11 @@ def tune_loader(
     between loading and compute. First the step runs at the plan's fewest workers ``w`` with
     ``min(torch.get_num_threads(), CPUs - w)`` threads, half as many and 1 (threads waiting on a core that
     another process holds make a CPU step several times slower), and the fewest within 5% of the fastest
-    (by the median time between batches, blind to bursts) win; then each worker setting runs with at most
-    that many and the CPUs its workers leave. The winner (a tie goes to fewer workers, then fewer threads)
-    is set with ``torch.set_num_threads``. The thread count changes float rounding, so
-    runs tuned on a busy and a quiet machine may differ in the last bits: threads are kept as they are under
-    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and deterministic algorithms; an int fixes them, None leaves
-    them alone.
+    win; then each worker setting runs with at most that many and the CPUs its workers leave. The winner (a
+    tie goes to fewer workers, then fewer threads) is set with ``torch.set_num_threads``. The thread count
+    changes float rounding, so runs tuned on a busy and a quiet machine may differ in the last bits: threads
+    are kept as they are under ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` and deterministic algorithms; an int
+    fixes them, None leaves them alone.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
     ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
@@ -351,7 +350,6 @@ def tune_loader(
     runs = rounds * (len(plan) + loader_phases + (len(threads_stage) if tune_threads else 0))
     bar = _progress(runs, progress)
     measured: dict[Setting, LoaderTrial] = {}
-    most_threads: int | None = None  # the thread count the threads stage chose
     with preserved_rng(loader.generator, *sampler_generators(loader)):
         sampling = timing_sampling(loader)
         queue = threads_stage * rounds if tune_threads else plan * rounds
@@ -402,9 +400,7 @@ def tune_loader(
             bar.close()
     report.trials = list(measured.values())
 
-    # With the threads chosen first, a setting with more threads than chosen is in the table, not the race.
-    eligible = [t for key, t in measured.items() if most_threads is None or (key[3] or 1) <= most_threads]
-    chosen, reason = _choose(eligible or report.trials, keep_pin=bool(loader.pin_memory))
+    chosen, reason = _choose(report.trials, keep_pin=bool(loader.pin_memory))
     workers, pin, prefetch, threads = chosen
     if threads_for(workers) is not None and threads is not None:  # tuned or given: set for the training
         torch.set_num_threads(threads)
@@ -478,11 +474,11 @@ def _choose(
 
 
 def _fewest_threads(measured: Mapping[Setting, LoaderTrial]) -> int:
-    """The threads stage's choice: the fewest threads whose steady rate (median time between batches, blind
-    to another process's bursts) is within 5% of the best. More threads must pay: a wrong pick of more
-    threads next to a busy core costs several times what a wrong pick of fewer costs."""
-    best = max(t.steady_per_s for t in measured.values())
-    return min((key[3] or 1) for key, t in measured.items() if t.steady_per_s >= (1 - _TIE) * best)
+    """The threads stage's choice: the fewest threads whose rate is within 5% of the best. The rate is the
+    mean over many batches, not a median: threads next to a busy core lose their time in stalls now and
+    then, which a median would not see."""
+    best = max(t.batches_per_s for t in measured.values())
+    return min((key[3] or 1) for key, t in measured.items() if t.batches_per_s >= (1 - _TIE) * best)
 
 
 def split_cores(cores: int, workers: int, threads_now: int) -> int:
