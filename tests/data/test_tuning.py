@@ -318,13 +318,16 @@ def _step(matmuls: int, seen: list):
 
 @needs_fork
 @pytest.mark.slow
-def test_a_step_on_every_core_makes_workers_lose_where_loading_is_cheap(every_core) -> None:
+def test_the_step_runs_on_every_timed_batch_of_every_setting(every_core) -> None:
+    """Which setting wins where loading is cheap and the step takes every core is the machine's answer (a
+    loaded machine flipped it: 245 batches/s with 2 workers against 149 without); what is ours is that
+    every setting is timed with the step on the loop's batches. The choice's logic: the fake-clock tests."""
     seen: list = []
     cheap = DataLoader(TensorDataset(torch.arange(80_000.0).reshape(-1, 4)), batch_size=8)
     _, report = tune_loader(
         cheap, candidates=BOTH, step=_step(1, seen), max_seconds=3, progress=False, num_threads=None
     )
-    assert report.chosen["num_workers"] == 0, str(report)
+    assert {t.num_workers for t in report.trials if t.batches > 0} == {0, 2}, str(report)
     assert report.measured == "loading with the training step"
     assert "measured: loading with the training step" in str(report)
     assert seen and all(len(b) == 1 and b[0].shape == (8, 4) for b in seen)  # the loop's batches
