@@ -33,6 +33,7 @@ from speedups.parallel import (
 )
 from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
+from speedups.reproducible import deterministic
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 
@@ -58,6 +59,7 @@ __all__ = [
     "ddp_wrap",
     "default_device",
     "destroy_distributed",
+    "deterministic",
     "distributed",
     "fast_loader",
     "find_batch_size",
