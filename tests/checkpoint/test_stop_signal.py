@@ -171,7 +171,7 @@ def test_a_process_holding_persistent_workers_at_exit_still_exits(tmp_path: Path
     code = (
         "import sys\n"
         "from speedups import fast_loader\n"
-        "loader = fast_loader(list(range(100)), 4, num_workers=2)  # persistent workers, module level\n"
+        "loader = fast_loader(list(range(100)), 4, num_workers=2, persistent_workers=True)  # module level\n"
         "it = iter(loader); next(it)\n"
         "if sys.argv[1] == 'raise': raise RuntimeError('boom')\n"
     )
