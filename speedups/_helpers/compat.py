@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "compiled_inner",
+    "grad_version",
     "default_store",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
@@ -70,3 +71,11 @@ def default_store() -> Any:
         return None if get is None else get()
     except (RuntimeError, ValueError):  # a group without a store (fake or custom backends)
         return None
+
+
+def grad_version(grad: torch.Tensor) -> int:
+    """The version counter of ``grad``: in-place changes (autograd accumulating into it, ``zero_()``) bump it.
+
+    Tensor's ``_version`` is the counter autograd itself checks; torch has no public spelling of it.
+    """
+    return int(grad._version)

@@ -130,7 +130,33 @@ def apply_update(
         norm before clipping (a 0-dim device tensor) when one was computed (clipping, a scaler, or
         ``skip_nonfinite`` without ``probe``), else None; the 0-dim tensor whose finiteness was checked (the
         norm, else ``probe``), or None when nothing was.
+
+    Raises:
+        whatever a step of the optimizers or ``before_step`` raises; the scaler is ready for the next update
+        then (``unscale_`` again would raise forever), its scale kept.
     """
+    settings = (max_grad_norm, factor, skip_nonfinite, params, probe, max_grad_value, before_step)
+    if scaler is None:
+        return _update(optimizers, None, *settings)
+    try:
+        return _update(optimizers, scaler, *settings)
+    except BaseException:
+        scaler.update(new_scale=scaler.get_scale())  # forgets this update's unscale_, keeps the scale
+        raise
+
+
+def _update(
+    optimizers: Sequence[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    factor: float | torch.Tensor,
+    skip_nonfinite: bool,
+    params: Callable[[], Sequence[torch.Tensor]],
+    probe: torch.Tensor | None,
+    max_grad_value: float | None,
+    before_step: Callable[[], object] | None,
+) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`apply_update`'s body."""
     if scaler is not None:
         for optimizer in optimizers:
             scaler.unscale_(optimizer)

@@ -29,6 +29,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from speedups._helpers.compat import grad_version
 from speedups._helpers.layout import LayoutChange
 from speedups._helpers.step_context import apply_update, current_step, params_of
 from speedups._helpers.validate import short
@@ -139,6 +140,9 @@ class Accumulator:
         self.warned_strays = False
         self.warned_inner_backward = False
         self.clean_start = True  # the open window started with no gradient (see _drop_strays)
+        self.warned_changed = False
+        self.warned_joined = False
+        self.noted: tuple[torch.Tensor | None, int] = (None, -1)  # the sentinel's grad after the last call
         OWNERSHIP.add(self)
         self.calls_seen = OWNERSHIP.calls  # the calls of all steps after this step's last one
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
@@ -172,8 +176,12 @@ class Accumulator:
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
         sentinel = self.sentinel
-        if sentinel is not None and sentinel.grad is None and self.pending:  # zero_grad() by hand
-            self._warn_zero_grad()
+        if sentinel is not None and self.pending:
+            if sentinel.grad is None:  # zero_grad() by hand
+                self._warn_zero_grad()
+                self._note_grad_now()
+            elif self._grad_changed(sentinel):  # a backward() outside the step, zero_grad(set_to_none=False)
+                self._warn_changed(inside=False)
         if not self.pending:  # a window starts: with no gradient this step did not make
             self._drop_strays()
         OWNERSHIP.calls = self.calls_seen = OWNERSHIP.calls + 1
@@ -206,6 +214,8 @@ class Accumulator:
                     if self.scaler is None:  # an outer autocast spans it
                         check_outer_autocast(loss.device.type)
                     self._check_inner_backward()
+                elif self.sentinel is not None and self._grad_changed(self.sentinel):
+                    self._warn_changed(inside=True)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
                 keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
@@ -235,6 +245,7 @@ class Accumulator:
                 self._log_call(detached, n, keep)
         if self.sentinel is None:
             self.sentinel = self._with_grad()
+        self._note_grad()
         if boundary:
             if work is not None:
                 work.wait()
@@ -267,6 +278,7 @@ class Accumulator:
             self._log_call(loss, n, keep_of(n) if n is not None else None)
         if self.sentinel is None:
             self.sentinel = self._with_grad()
+        self._note_grad()
         if boundary:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
@@ -326,6 +338,8 @@ class Accumulator:
                 first = [p for p in self.model.parameters() if id(p) in ids]
                 placed = {id(p) for p in first}
                 order = first + [p for p in params if id(p) not in placed]
+            if self.pending and self._params[0]:  # parameters joined in the middle of a window
+                self._warn_joined([p for p in params if id(p) not in self._params[3] and p.grad is not None])
             self._params = (shape, params, order, ids)
             OWNERSHIP.changed()  # what other steps set aside while they run
         return self._params[1], self._params[2]
@@ -509,6 +523,7 @@ class Accumulator:
 
     def _reset_window(self) -> None:
         OWNERSHIP.closed(self)
+        self.noted = (None, -1)  # holds no gradient the update let go
         self.pending = 0
         self.total_host = 0.0
         self.total_device = None
@@ -704,6 +719,7 @@ class Accumulator:
         self.window_log = list(state.get("log", []))
         self.feed = state.get("feed")
         self.sentinel = None
+        self.noted = (None, -1)
         (OWNERSHIP.opened if self.pending else OWNERSHIP.closed)(self)
         self.sync.restart()
 
@@ -807,6 +823,70 @@ class Accumulator:
             stacklevel=3,
         )
 
+    def _warn_joined(self, joined: list[torch.Tensor]) -> None:
+        """Warn once: parameters joined the optimizers mid-window with gradients earlier calls left."""
+        if not joined or self.warned_joined:
+            return
+        self.warned_joined = True
+        warnings.warn(  # stacklevel 4: here, _parameters, _call (or __call__), the caller of the step
+            f"accumulate: {len(joined)} parameters joined the step's optimizers in the middle of a window "
+            f"(after micro-step {self.step}, {self.pending} of {self.every} accumulated) with gradients "
+            f"already on them: what every backward since they were last zeroed left, possibly more than "
+            f"this window, counts in this update. Fix: add parameters at a boundary (`if "
+            f"train_step.pending == 0:`), or keep them at requires_grad=False until they join.",
+            SpeedupsWarning,
+            stacklevel=4,
+        )
+
+    def _note_grad(self) -> None:
+        """Remember the sentinel's gradient as this call left it (its tensor and version counter)."""
+        sentinel = self.sentinel
+        grad = None if sentinel is None or not self.pending else sentinel.grad
+        self.noted = (grad, -1 if grad is None else grad_version(grad))
+
+    def _grad_changed(self, sentinel: torch.Tensor) -> bool:
+        """Whether the sentinel's gradient changed since the step's last call: a backward() added to it (in
+        place, or a new tensor under create_graph) or something zeroed it in place. Not under FSDP2, whose
+        gradients the step does not hold between calls."""
+        grad, version = self.noted
+        if grad is None or self.sync.kind is SyncKind.FSDP2:
+            return False
+        return sentinel.grad is not grad or grad_version(grad) != version
+
+    def _warn_changed(self, *, inside: bool) -> None:
+        """Warn once: the open window's gradients changed outside the step's own backward."""
+        self._note_grad_now()
+        if self.warned_inner_backward if inside else self.warned_changed:
+            return
+        if inside:
+            self.warned_inner_backward = True
+        else:
+            self.warned_changed = True
+        if inside:
+            what = (
+                f"a backward() ran inside the step (micro-step {self.step + 1}) and added to the open "
+                f"window's gradients, weighted 1 instead of 1/{self.every}"
+                f"{' and without the fp16 loss scale' if self.scaler is not None else ''}"
+            )
+            fix = "return the sum instead: `aux.backward(); return main` becomes `return main + aux`"
+        else:
+            what = (
+                f"the open window's gradients changed between the previous call of the step and this one "
+                f"(micro-step {self.step + 1}): a backward() outside the step added to them (weighted 1, not "
+                f"1/{self.every}), or `zero_grad(set_to_none=False)` zeroed them"
+            )
+            fix = "return every loss from the step, and remove backward() and zero_grad() calls from the loop"
+        warnings.warn(  # stacklevel: here, the check, __call__ or _call, ..., the caller of the step
+            f"accumulate: {what}, so the update is not the big batch's. Fix: {fix}.",
+            SpeedupsWarning,
+            stacklevel=4 if inside else 3,
+        )
+
+    def _note_grad_now(self) -> None:
+        sentinel = self.sentinel
+        grad = None if sentinel is None else sentinel.grad
+        self.noted = (grad, -1 if grad is None else grad_version(grad))
+
     def _check_inner_backward(self) -> None:
         """On a window's first call, before the step's backward: warn once if a ``backward()`` already ran.
 
@@ -816,6 +896,8 @@ class Accumulator:
         """
         if self.warned_inner_backward or not self.clean_start:
             return
+        if self.every == 1 and self.scaler is None and self.mode is not _ITEMS:
+            return  # weighted 1 and unscaled is what the step's own backward does here: exact
         zeroed = self.sync.zeroed
         made = sum(1 for p in self.trainable() if p.grad is not None and id(p) not in zeroed)
         if not made:

@@ -220,3 +220,47 @@ def test_a_step_method_called_from_a_compiled_method_trains_as_the_eager_one() -
         run(x, y)
     assert compiled.step.num_updates == 3
     assert torch.equal(_flat(compiled.model), _flat(eager.model))
+
+
+@pytest.mark.parametrize("where", ["before_update hook", "optimizer.step"])
+def test_an_fp16_update_that_raises_leaves_the_step_usable(where: str) -> None:
+    """The GradScaler had unscaled the window: left so, every later update would raise forever."""
+    data = _data(3)
+
+    class Once(torch.optim.SGD):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            self.fail = where == "optimizer.step"
+
+        def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("broke once")
+            return super().step(closure)
+
+    def run(batches: list, raising: bool) -> tuple[torch.Tensor, float]:
+        m = _model()
+
+        @accumulate(1, Once(m.parameters(), lr=0.1) if raising else torch.optim.SGD(m.parameters(), lr=0.1))
+        @mixed_precision("fp16", device_type="cpu", init_scale=256.0)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(m(x), y)
+
+        def broke(params: list[torch.Tensor]) -> None:
+            raise RuntimeError("broke once")
+
+        handle = step.before_update(broke) if raising and where == "before_update hook" else None
+        for i, (x, y) in enumerate(batches):
+            if raising and i == 0:
+                with pytest.raises(RuntimeError, match="broke once"):
+                    step(x, y)
+                if handle is not None:
+                    handle.remove()
+                continue
+            step(x, y)
+        assert step.num_updates == len(batches) - raising and step.pending == 0
+        return _flat(m), step.scaler.get_scale()
+
+    # The failed window is dropped, the loss scale kept: the run equals one that never saw that batch.
+    (got, got_scale), (ref, ref_scale) = run(data, raising=True), run(data[1:], raising=False)
+    assert torch.equal(got, ref) and got_scale == ref_scale == 256.0

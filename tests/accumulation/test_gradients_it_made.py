@@ -248,3 +248,82 @@ def test_a_parameter_added_twice_to_the_groups_is_refused_before_the_call_change
         train_step(torch.randn(4, 3))
     assert train_step.pending == 1 and train_step.step == 1
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+# ---------------------------------------------------------------- the open window changed by someone else
+def _steps_on(model: nn.Module, every: int = 4):
+    return accumulate(every, torch.optim.SGD(model.parameters(), 0.1))(lambda x: model(x).pow(2).mean())
+
+
+@pytest.mark.parametrize("how", ["backward outside", "zero_grad(set_to_none=False)"])
+def test_an_open_window_changed_between_calls_is_warned_once(how: str) -> None:
+    model = mlp(3, 8, 1)
+    train_step = _steps_on(model)
+    told = r"changed between the previous call.*Fix: return every loss"
+    with pytest.warns(SpeedupsWarning, match=told) as rec:
+        for i in range(8):
+            train_step(torch.randn(4, 3))
+            if i % 4 in (0, 1):  # inside each window
+                if how == "backward outside":
+                    model(torch.randn(2, 3)).sum().backward()
+                else:
+                    model.zero_grad(set_to_none=False)
+    assert len(rec) == 1 and rec[0].filename == __file__
+
+
+def test_a_backward_inside_the_step_on_a_later_call_of_the_window_is_warned() -> None:
+    model = mlp(3, 8, 1)
+    calls = [0]
+
+    @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
+    def step(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        out = model(x)
+        if calls[0] % 4 == 2:  # not the window's first call
+            out.sum().backward(retain_graph=True)
+        return out.pow(2).mean()
+
+    with pytest.warns(SpeedupsWarning, match=r"backward\(\) ran inside the step.*1/4") as rec:
+        for _ in range(8):
+            step(torch.randn(4, 3))
+    assert len(rec) == 1 and rec[0].filename == __file__
+
+
+def test_a_backward_inside_a_step_of_one_call_windows_is_exact_and_not_warned() -> None:
+    data = _aux_data()
+    body, reg, cls = _two_heads()
+    params = [*body.parameters(), *reg.parameters(), *cls.parameters()]
+    opt = torch.optim.SGD(params, lr=0.2)
+    for x, y, c in data:
+        h = body(x)
+        (F.mse_loss(reg(h), y) + F.cross_entropy(cls(h), c)).backward()
+        opt.step(), opt.zero_grad()
+    ref = torch.cat([p.detach().reshape(-1) for p in params])
+    body, reg, cls = _two_heads()
+    params = [*body.parameters(), *reg.parameters(), *cls.parameters()]
+
+    @accumulate(1, torch.optim.SGD(params, lr=0.2))
+    def step(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        h = body(x)
+        F.cross_entropy(cls(h), c).backward(retain_graph=True)  # weight 1 is the window's weight here
+        return F.mse_loss(reg(h), y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in data:
+            step(*batch)
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in params]), ref, rtol=0, atol=1e-6)
+
+
+def test_parameters_joining_in_the_middle_of_a_window_with_gradients_are_warned() -> None:
+    model = mlp(3, 8, 1)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    train_step = accumulate(4, opt)(lambda x: model(x).pow(2).mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpeedupsWarning)  # the not-yet-joined layer's gradients, dropped
+        for _ in range(4):
+            train_step(torch.randn(4, 3))
+    train_step(torch.randn(4, 3))
+    opt.param_groups[0]["params"].extend(model[0].parameters())  # mid-window, model[0] holds gradients
+    with pytest.warns(SpeedupsWarning, match=r"2 parameters joined .* middle of a window.*pending == 0"):
+        train_step(torch.randn(4, 3))
