@@ -91,7 +91,8 @@ def test_a_metric_logged_once_shows_as_a_point(tmp_path: Path, monkeypatch) -> N
     ("output", "written"),
     [
         ("curves", "curves.png"),  # no suffix: .png added (matplotlib adds it too, silently)
-        ("out/run.v2", None),  # a dot in the name: refused below
+        ("out/run.v2", "out/run.v2.png"),  # a dot in the name, not an image format: .png added
+        ("out/run.pdf", None),  # another image format: refused below
         ("figs", "figs/curves.png"),  # an existing directory: curves.png in it
         ("new/", "new/curves.png"),  # a trailing separator: a directory, made
         ("a/b.PNG", "a/b.PNG"),
@@ -102,10 +103,20 @@ def test_the_path_returned_is_the_file_written(tmp_path: Path, output: str, writ
     (tmp_path / "figs").mkdir()
     before = {p for p in tmp_path.rglob("*")}
     if written is None:
-        with pytest.raises(ValueError, match=r"run\.v2'\): plot_metrics writes a PNG.*run\.v2\.png'"):
+        with pytest.raises(ValueError, match=r"run\.pdf'\): plot_metrics writes a PNG.*run\.pdf\.png'"):
             plot_metrics(run, output=str(tmp_path / output))
         assert {p for p in tmp_path.rglob("*")} == before  # refused before anything was drawn
         return
     png = plot_metrics(run, output=str(tmp_path / output) + ("/" if output.endswith("/") else ""))
     assert png == tmp_path / written and png.read_bytes()[:4] == b"\x89PNG"
     assert {p for p in tmp_path.rglob("*") if p.is_file()} - before == {png}  # that file, and only it
+
+
+def test_an_output_that_is_no_path_or_empty_is_refused_naming_it(tmp_path: Path) -> None:
+    run = _run(tmp_path / "run")
+    before = {p for p in tmp_path.rglob("*")}
+    with pytest.raises(TypeError, match=r"output=3\): expected a path .*output='curves.png'"):
+        plot_metrics(run, output=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"output=''\): an empty path"):
+        plot_metrics(run, output="")
+    assert {p for p in tmp_path.rglob("*")} == before

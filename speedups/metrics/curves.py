@@ -56,16 +56,17 @@ def plot_metrics(source: str | os.PathLike[str], output: str | os.PathLike[str] 
     Args:
         source: a run directory (``log_dir`` of a :class:`~speedups.MetricLogger`), a ``metrics.csv`` or a
             ``metrics.jsonl``.
-        output: the PNG to write: a path ending in ``.png``, a name without a suffix (``.png`` is added),
-            or a directory (existing, or written with a trailing ``/``: ``curves.png`` in it); None:
-            ``curves.png`` beside the metrics file.
+        output: the PNG to write: a path ending in ``.png``, a name without one (``.png`` is added, also
+            after a dot in the name: ``run-v1.0`` writes ``run-v1.0.png``), or a directory (existing, or
+            written with a trailing ``/``: ``curves.png`` in it); None: ``curves.png`` beside the metrics.
 
     Returns:
         The path of the file written.
 
     Raises:
         FileNotFoundError: nothing to read at ``source``.
-        ValueError: the file holds no metric; ``output`` has a suffix other than ``.png``.
+        TypeError: ``output`` is not a path.
+        ValueError: the file holds no metric; ``output`` is empty or names another image format.
         ImportError: matplotlib is not installed.
     """
     source_path = Path(source)
@@ -101,20 +102,37 @@ def plot_metrics(source: str | os.PathLike[str], output: str | os.PathLike[str] 
     return out
 
 
+_OTHER_FORMATS = {
+    ".eps", ".gif", ".jpeg", ".jpg", ".pdf", ".pgf", ".ps", ".raw", ".rgba", ".svg", ".svgz", ".tif", ".tiff",
+    ".webp", ".bmp",
+}  # fmt: skip
+
+
 def _png_path(source: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
     """The file ``output`` names: itself (``.png``), with ``.png`` added (no suffix), or ``curves.png`` in
     it (a directory, or a name ending in a separator).
 
     Raises:
-        ValueError: another suffix (matplotlib would write another format, or refuse it).
+        TypeError: ``output`` is not a path.
+        ValueError: an empty path, or another image format's suffix (``.pdf``, ``.jpg``, ...).
     """
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(
+            f"plot_metrics({str(source)!r}, output={output!r}): expected a path (str or pathlib.Path) of the "
+            f"PNG to write, got {type(output).__name__}. Write output='curves.png'."
+        )
     text = os.fspath(output)
+    if not text:
+        raise ValueError(
+            f"plot_metrics({str(source)!r}, output=''): an empty path. Name the PNG (output='curves.png') or "
+            f"pass output=None for curves.png beside the metrics."
+        )
     out = Path(text)
     if out.is_dir() or text.endswith((os.sep, "/")):
         return out / "curves.png"
     if out.suffix.lower() == ".png":
         return out
-    if not out.suffix:
+    if out.suffix.lower() not in _OTHER_FORMATS:  # no suffix, or a dot in a name ("run-v1.0")
         return out.with_name(out.name + ".png")
     raise ValueError(
         f"plot_metrics({str(source)!r}, output={text!r}): plot_metrics writes a PNG; {out.suffix!r} is "
