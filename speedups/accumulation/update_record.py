@@ -82,26 +82,22 @@ class UpdateRecord:
         the ranks (one all-reduce), ``sum / count`` is the job's mean: what one process would log with the
         same global batch. None when :attr:`loss` is None.
         """
-        parts = self._parts
-        if len(parts) != self.micro_steps or not parts:
+        sums = self._sums()
+        if sums is None:
             return None
-        total = parts[0][0]
-        for part, _ in parts[1:]:
-            total = total + part
+        total, count = sums
         total = total.detach().reshape(())
         dtype = torch.float32 if total.device.type == "mps" else torch.float64
         total = total.to(dtype)
         if not self._weighted:
-            return torch.stack([total, torch.full_like(total, len(parts))])
-        count: Any = 0
-        for _, n in parts:
-            count = count + n
+            return torch.stack([total, torch.full_like(total, count)])
         if isinstance(count, torch.Tensor):  # on the loss's device: a copy from another device, no wait
             count = count.detach().reshape(()).to(total.device, dtype, non_blocking=True)
             return torch.stack([total, count])
         return torch.stack([total, torch.full_like(total, float(count))])  # a fill: no host-device copy
 
-    def _mean(self) -> torch.Tensor | None:
+    def _sums(self) -> tuple[torch.Tensor, Any] | None:
+        """The window's summed loss (times items) and its count (calls, or items), or None (no loss)."""
         parts = self._parts
         if len(parts) != self.micro_steps or not parts:
             return None
@@ -109,10 +105,19 @@ class UpdateRecord:
         for part, _ in parts[1:]:
             total = total + part
         if not self._weighted:
-            return total / len(parts)
+            return total, len(parts)
         count: Any = 0
         for _, n in parts:
             count = count + n
+        return total, count
+
+    def _mean(self) -> torch.Tensor | None:
+        sums = self._sums()
+        if sums is None:
+            return None
+        total, count = sums
+        if not self._weighted:
+            return total / count
         if isinstance(count, torch.Tensor):
             return torch.where(count > 0, total / count, math.nan).to(total.dtype)
         return total / count if count else torch.full_like(total, math.nan)
