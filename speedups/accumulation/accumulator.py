@@ -142,7 +142,10 @@ class Accumulator:
         self.clean_start = True  # the open window started with no gradient (see _drop_strays)
         self.warned_changed = False
         self.warned_joined = False
-        self.noted: tuple[torch.Tensor | None, int] = (None, -1)  # the sentinel's grad after the last call
+        self.noted_grad: torch.Tensor | None = None  # the sentinel's gradient after the step's last call
+        self.noted_version = -1  # ... and its version counter (see _changed)
+        self.watch_grads = sync.kind is not SyncKind.FSDP2  # FSDP2 holds the window's gradients itself
+        self.last_sentinel: torch.Tensor | None = None  # the previous window's sentinel
         OWNERSHIP.add(self)
         self.calls_seen = OWNERSHIP.calls  # the calls of all steps after this step's last one
         if guard:  # a plain step on every call (enabled=False) owns no window to guard
@@ -179,9 +182,9 @@ class Accumulator:
         if sentinel is not None and self.pending:
             if sentinel.grad is None:  # zero_grad() by hand
                 self._warn_zero_grad()
-                self._note_grad_now()
-            elif self._grad_changed(sentinel):  # a backward() outside the step, zero_grad(set_to_none=False)
-                self._warn_changed(inside=False)
+                self._note_grad()
+            elif self.watch_grads and self._changed(sentinel):  # a backward() outside the step, or a
+                self._warn_changed(inside=False)  # zero_grad(set_to_none=False)
         if not self.pending:  # a window starts: with no gradient this step did not make
             self._drop_strays()
         OWNERSHIP.calls = self.calls_seen = OWNERSHIP.calls + 1
@@ -199,7 +202,6 @@ class Accumulator:
 
     def _call(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One micro-step: the user's function, its backward and, at a boundary, the update."""
-        self._parameters()  # a param group edited since the last call is seen (and checked) here
         if self.micro is not None:  # the call's batch split into micro-batches
             return self._call_micro(self.micro, wrapped, args, kwargs)
         boundary = self.pending + 1 >= self.every
@@ -214,7 +216,7 @@ class Accumulator:
                     if self.scaler is None:  # an outer autocast spans it
                         check_outer_autocast(loss.device.type)
                     self._check_inner_backward()
-                elif self.sentinel is not None and self._grad_changed(self.sentinel):
+                elif self.watch_grads and self.sentinel is not None and self._changed(self.sentinel):
                     self._warn_changed(inside=True)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
@@ -245,7 +247,8 @@ class Accumulator:
                 self._log_call(detached, n, keep)
         if self.sentinel is None:
             self.sentinel = self._with_grad()
-        self._note_grad()
+        if self.watch_grads:
+            self._note_grad()
         if boundary:
             if work is not None:
                 work.wait()
@@ -278,7 +281,8 @@ class Accumulator:
             self._log_call(loss, n, keep_of(n) if n is not None else None)
         if self.sentinel is None:
             self.sentinel = self._with_grad()
-        self._note_grad()
+        if self.watch_grads:
+            self._note_grad()
         if boundary:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
@@ -343,6 +347,10 @@ class Accumulator:
             self._params = (shape, params, order, ids)
             OWNERSHIP.changed()  # what other steps set aside while they run
         return self._params[1], self._params[2]
+
+    def known_params(self) -> list[torch.Tensor]:
+        """The optimizers' parameters as this step last read them (another step asks; nothing is checked)."""
+        return self._params[1]
 
     def owned_ids(self) -> set[int]:
         """The ids of the optimizers' parameters (see :mod:`~speedups.accumulation.ownership`)."""
@@ -471,9 +479,10 @@ class Accumulator:
         # Whatever fails below (the optimizer, the scheduler, a warning turned error), the window is closed:
         # its gradients are dropped and the counters say what really happened, then the error propagates.
         record = None
-        if before:
-            self.sync.before_update(self.trainable)
         try:
+            self._parameters()  # a param group edited during the window is seen (and checked) here
+            if before:
+                self.sync.before_update(self.trainable)
             if self.mode == _ITEMS and not self._has_items():
                 self.last_step_skipped = True
                 warn_skipped(self.step, empty=True, stacklevel=depth + 3)
@@ -523,7 +532,9 @@ class Accumulator:
 
     def _reset_window(self) -> None:
         OWNERSHIP.closed(self)
-        self.noted = (None, -1)  # holds no gradient the update let go
+        self.noted_grad, self.noted_version = None, -1  # holds no gradient the update let go
+        if self.sentinel is not None:
+            self.last_sentinel = self.sentinel
         self.pending = 0
         self.total_host = 0.0
         self.total_device = None
@@ -719,7 +730,7 @@ class Accumulator:
         self.window_log = list(state.get("log", []))
         self.feed = state.get("feed")
         self.sentinel = None
-        self.noted = (None, -1)
+        self.noted_grad, self.noted_version = None, -1
         (OWNERSHIP.opened if self.pending else OWNERSHIP.closed)(self)
         self.sync.restart()
 
@@ -839,23 +850,20 @@ class Accumulator:
         )
 
     def _note_grad(self) -> None:
-        """Remember the sentinel's gradient as this call left it (its tensor and version counter)."""
+        """Remember the sentinel's gradient as it is now (its tensor and version counter)."""
         sentinel = self.sentinel
-        grad = None if sentinel is None or not self.pending else sentinel.grad
-        self.noted = (grad, -1 if grad is None else grad_version(grad))
+        grad = None if sentinel is None else sentinel.grad
+        self.noted_grad, self.noted_version = grad, -1 if grad is None else grad_version(grad)
 
-    def _grad_changed(self, sentinel: torch.Tensor) -> bool:
-        """Whether the sentinel's gradient changed since the step's last call: a backward() added to it (in
-        place, or a new tensor under create_graph) or something zeroed it in place. Not under FSDP2, whose
-        gradients the step does not hold between calls."""
-        grad, version = self.noted
-        if grad is None or self.sync.kind is SyncKind.FSDP2:
-            return False
-        return sentinel.grad is not grad or grad_version(grad) != version
+    def _changed(self, sentinel: torch.Tensor) -> bool:
+        """Whether the sentinel's gradient changed since it was noted: a backward() added to it (in place,
+        or a new tensor under create_graph) or something zeroed it in place."""
+        grad = sentinel.grad
+        return grad is not self.noted_grad or (grad is not None and grad_version(grad) != self.noted_version)
 
     def _warn_changed(self, *, inside: bool) -> None:
         """Warn once: the open window's gradients changed outside the step's own backward."""
-        self._note_grad_now()
+        self._note_grad()
         if self.warned_inner_backward if inside else self.warned_changed:
             return
         if inside:
@@ -882,23 +890,22 @@ class Accumulator:
             stacklevel=4 if inside else 3,
         )
 
-    def _note_grad_now(self) -> None:
-        sentinel = self.sentinel
-        grad = None if sentinel is None else sentinel.grad
-        self.noted = (grad, -1 if grad is None else grad_version(grad))
-
     def _check_inner_backward(self) -> None:
         """On a window's first call, before the step's backward: warn once if a ``backward()`` already ran.
 
         The window started without gradients (:meth:`_drop_strays`), so any gradient now was made inside the
-        step's function: weighted 1 instead of the window's share, and without the fp16 loss scale. One pass
-        over the parameters per window, until it warns.
+        step's function: weighted 1 instead of the window's share, and without the fp16 loss scale. It looks
+        at the previous window's sentinel (one parameter, reached by every backward through the model the
+        step trains); the first window, at every parameter.
         """
         if self.warned_inner_backward or not self.clean_start:
             return
         if self.every == 1 and self.scaler is None and self.mode is not _ITEMS:
             return  # weighted 1 and unscaled is what the step's own backward does here: exact
         zeroed = self.sync.zeroed
+        probe = self.last_sentinel
+        if probe is not None and (probe.grad is None or id(probe) in zeroed):
+            return
         made = sum(1 for p in self.trainable() if p.grad is not None and id(p) not in zeroed)
         if not made:
             return

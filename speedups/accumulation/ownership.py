@@ -25,7 +25,7 @@ __all__ = ["OWNERSHIP", "Ownership"]
 
 
 class _Owner(Protocol):
-    def trainable(self) -> list[torch.Tensor]: ...
+    def known_params(self) -> list[torch.Tensor]: ...
     def owned_ids(self) -> set[int]: ...
 
 
@@ -77,7 +77,7 @@ class Ownership:
         foreign: dict[int, torch.Tensor] = {}
         for other in list(opened):
             if other is not step:
-                for p in other.trainable():
+                for p in other.known_params():  # as that step last saw them: no check runs here
                     if id(p) not in own:
                         foreign.setdefault(id(p), p)
         found = self._foreign[id(step)] = list(foreign.values())
@@ -85,7 +85,7 @@ class Ownership:
 
     def in_open_windows(self, step: _Owner) -> set[int]:
         """The ids of parameters ``step`` shares with other steps whose windows are open."""
-        return {id(p) for other in list(self._open) if other is not step for p in other.trainable()}
+        return {id(p) for other in list(self._open) if other is not step for p in other.known_params()}
 
 
 OWNERSHIP = Ownership()
