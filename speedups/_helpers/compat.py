@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +74,7 @@ def default_store() -> Any:
         return None
 
 
-def grad_version(grad: torch.Tensor) -> int:
-    """The version counter of ``grad``: in-place changes (autograd accumulating into it, ``zero_()``) bump it.
-
-    Tensor's ``_version`` is the counter autograd itself checks; torch has no public spelling of it.
-    """
-    return int(grad._version)
+grad_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""The version counter of a tensor: in-place changes (autograd accumulating into a gradient, ``zero_()``)
+bump it. ``Tensor._version`` is the counter autograd itself checks; torch has no public spelling of it. An
+``attrgetter``: read once or twice per micro-step, at C speed."""

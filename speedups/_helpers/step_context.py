@@ -135,52 +135,35 @@ def apply_update(
         whatever a step of the optimizers or ``before_step`` raises; the scaler is ready for the next update
         then (``unscale_`` again would raise forever), its scale kept.
     """
-    settings = (max_grad_norm, factor, skip_nonfinite, params, probe, max_grad_value, before_step)
-    if scaler is None:
-        return _update(optimizers, None, *settings)
-    try:
-        return _update(optimizers, scaler, *settings)
-    except BaseException:
-        scaler.update(new_scale=scaler.get_scale())  # forgets this update's unscale_, keeps the scale
-        raise
-
-
-def _update(
-    optimizers: Sequence[torch.optim.Optimizer],
-    scaler: torch.amp.GradScaler | None,
-    max_grad_norm: float | None,
-    factor: float | torch.Tensor,
-    skip_nonfinite: bool,
-    params: Callable[[], Sequence[torch.Tensor]],
-    probe: torch.Tensor | None,
-    max_grad_value: float | None,
-    before_step: Callable[[], object] | None,
-) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`apply_update`'s body."""
-    if scaler is not None:
-        for optimizer in optimizers:
-            scaler.unscale_(optimizer)
-    if not isinstance(factor, float) or factor != 1.0:
-        for g in grads_of(params()):
-            g.mul_(factor)
-    norm: torch.Tensor | None = None
-    if max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_([p for p in params() if p.grad is not None], max_grad_norm)
-    elif scaler is not None or (skip_nonfinite and probe is None):
-        norm = total_norm(grads_of(params()))
-    decider = norm if norm is not None else probe
-    checking = scaler is not None or skip_nonfinite
-    # Reading the decision is a host-device sync: the one of this update.
-    if checking and decider is not None and not math.isfinite(decider.item()):
+    try:  # free when nothing raises
         if scaler is not None:
-            scaler.update()  # backs the scale off (the inf checks were recorded by unscale_)
-        return False, norm, decider
-    if max_grad_value is not None:
-        torch.nn.utils.clip_grad_value_([p for p in params() if p.grad is not None], max_grad_value)
-    if before_step is not None:
-        before_step()
-    for optimizer in optimizers:
-        optimizer.step()  # unscaled and checked above: what GradScaler.step would run
-    if scaler is not None:
-        scaler.update()
-    return True, norm, decider
+            for optimizer in optimizers:
+                scaler.unscale_(optimizer)
+        if not isinstance(factor, float) or factor != 1.0:
+            for g in grads_of(params()):
+                g.mul_(factor)
+        norm: torch.Tensor | None = None
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in params() if p.grad is not None], max_grad_norm)
+        elif scaler is not None or (skip_nonfinite and probe is None):
+            norm = total_norm(grads_of(params()))
+        decider = norm if norm is not None else probe
+        checking = scaler is not None or skip_nonfinite
+        # Reading the decision is a host-device sync: the one of this update.
+        if checking and decider is not None and not math.isfinite(decider.item()):
+            if scaler is not None:
+                scaler.update()  # backs the scale off (the inf checks were recorded by unscale_)
+            return False, norm, decider
+        if max_grad_value is not None:
+            torch.nn.utils.clip_grad_value_([p for p in params() if p.grad is not None], max_grad_value)
+        if before_step is not None:
+            before_step()
+        for optimizer in optimizers:
+            optimizer.step()  # unscaled and checked above: what GradScaler.step would run
+        if scaler is not None:
+            scaler.update()
+        return True, norm, decider
+    except BaseException:
+        if scaler is not None:
+            scaler.update(new_scale=scaler.get_scale())  # forgets this update's unscale_, keeps the scale
+        raise

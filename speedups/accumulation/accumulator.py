@@ -183,12 +183,15 @@ class Accumulator:
             if sentinel.grad is None:  # zero_grad() by hand
                 self._warn_zero_grad()
                 self._note_grad()
-            elif self.watch_grads and self._changed(sentinel):  # a backward() outside the step, or a
-                self._warn_changed(inside=False)  # zero_grad(set_to_none=False)
+            elif self.watch_grads and (  # a backward() outside the step, or a
+                sentinel.grad is not self.noted_grad or grad_version(sentinel.grad) != self.noted_version
+            ):
+                self._warn_changed(inside=False)  # zero_grad(set_to_none=False): warned
         if not self.pending:  # a window starts: with no gradient this step did not make
             self._drop_strays()
         OWNERSHIP.calls = self.calls_seen = OWNERSHIP.calls + 1
-        foreign = OWNERSHIP.foreign_to(self)  # other steps' open windows: [] in a one-step script
+        # Other steps' open windows (none in a one-step script: one comparison) are set aside while it runs.
+        foreign = OWNERSHIP.foreign_to(self) if OWNERSHIP.open_count > (self.pending > 0) else ()
         if not foreign:
             return self._call(wrapped, args, kwargs)
         kept = [p.grad for p in foreign]  # set aside: what this call's backward leaves there is dropped
@@ -216,8 +219,12 @@ class Accumulator:
                     if self.scaler is None:  # an outer autocast spans it
                         check_outer_autocast(loss.device.type)
                     self._check_inner_backward()
-                elif self.watch_grads and self.sentinel is not None and self._changed(self.sentinel):
-                    self._warn_changed(inside=True)
+                elif self.watch_grads and self.sentinel is not None:  # a backward() inside the step?
+                    grad = self.sentinel.grad
+                    if grad is not self.noted_grad or (
+                        grad is not None and grad_version(grad) != self.noted_version
+                    ):
+                        self._warn_changed(inside=True)
                 detached = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
                 work = None
                 keep: Literal[False] | torch.Tensor | None = None  # None: every gradient of this call counts
@@ -245,10 +252,12 @@ class Accumulator:
                 self.window_log.append((detached, None))
             else:
                 self._log_call(detached, n, keep)
-        if self.sentinel is None:
-            self.sentinel = self._with_grad()
-        if self.watch_grads:
-            self._note_grad()
+        sentinel = self.sentinel
+        if sentinel is None:
+            sentinel = self.sentinel = self._with_grad()
+        if self.watch_grads and sentinel is not None:  # noted: the version checks compare with it
+            grad = self.noted_grad = sentinel.grad
+            self.noted_version = -1 if grad is None else grad_version(grad)
         if boundary:
             if work is not None:
                 work.wait()
@@ -279,10 +288,12 @@ class Accumulator:
             OWNERSHIP.opened(self)
         if self.hooks:
             self._log_call(loss, n, keep_of(n) if n is not None else None)
-        if self.sentinel is None:
-            self.sentinel = self._with_grad()
-        if self.watch_grads:
-            self._note_grad()
+        sentinel = self.sentinel
+        if sentinel is None:
+            sentinel = self.sentinel = self._with_grad()
+        if self.watch_grads and sentinel is not None:  # noted: the version checks compare with it
+            grad = self.noted_grad = sentinel.grad
+            self.noted_version = -1 if grad is None else grad_version(grad)
         if boundary:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
@@ -545,8 +556,9 @@ class Accumulator:
         self.sentinel = None
 
     def _with_grad(self) -> torch.Tensor | None:
-        """A parameter that has a gradient now (the zero_grad watch), or None."""
-        for p in self.trainable():
+        """A parameter that has a gradient now (the zero_grad watch), or None. The parameters as last read:
+        this window's start read them."""
+        for p in self._params[1]:
             if p.grad is not None:
                 return p
         return None
@@ -854,12 +866,6 @@ class Accumulator:
         sentinel = self.sentinel
         grad = None if sentinel is None else sentinel.grad
         self.noted_grad, self.noted_version = grad, -1 if grad is None else grad_version(grad)
-
-    def _changed(self, sentinel: torch.Tensor) -> bool:
-        """Whether the sentinel's gradient changed since it was noted: a backward() added to it (in place,
-        or a new tensor under create_graph) or something zeroed it in place."""
-        grad = sentinel.grad
-        return grad is not self.noted_grad or (grad is not None and grad_version(grad) != self.noted_version)
 
     def _warn_changed(self, *, inside: bool) -> None:
         """Warn once: the open window's gradients changed outside the step's own backward."""

@@ -39,26 +39,35 @@ class Ownership:
 
     def __init__(self) -> None:
         self._steps: weakref.WeakSet[_Owner] = weakref.WeakSet()
-        self._open: weakref.WeakSet[_Owner] = weakref.WeakSet()
+        self._open: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: open windows
         self._foreign: dict[int, list[torch.Tensor]] = {}  # id(step) -> what it sets aside, until changed
         self.calls = 0
+        self.open_count = 0  # steps with an open window (a step that died open: until it is collected)
 
     def add(self, step: _Owner) -> None:
         """Register ``step`` (it leaves when it is collected)."""
         self._steps.add(step)
-        weakref.finalize(step, self.changed).atexit = False
+        weakref.finalize(step, self._gone, id(step)).atexit = False
+
+    def _gone(self, key: int) -> None:
+        self._open.pop(key, None)
+        self.open_count = len(self._open)
+        self.changed()
 
     def opened(self, step: _Owner) -> None:
-        """``step`` holds gradients of an open window (or gradients it gave, DDP after a flush)."""
-        if step not in self._open:
-            self._open.add(step)
-            self.changed()
+        """``step`` holds gradients of an open window (or gradients it gave, DDP after a flush).
+
+        Called once a window (a dict entry): the step calls it only when its window was closed.
+        """
+        self._open[id(step)] = weakref.ref(step)
+        self.open_count = len(self._open)
+        self._foreign.clear()
 
     def closed(self, step: _Owner) -> None:
         """``step``'s window was applied or dropped: its parameters hold no gradient."""
-        if step in self._open:
-            self._open.discard(step)
-            self.changed()
+        if self._open.pop(id(step), None) is not None:
+            self.open_count = len(self._open)
+            self._foreign.clear()
 
     def changed(self) -> None:
         """Forget what was computed: a window opened or closed, a step went, or one's parameters changed."""
@@ -67,16 +76,16 @@ class Ownership:
     def foreign_to(self, step: _Owner) -> list[torch.Tensor]:
         """The parameters of other steps' open windows that ``step`` does not own: what it sets aside while
         it runs. ``[]`` (one check) when no other window is open; cached until something changes."""
-        opened = self._open
-        if not opened or (len(opened) == 1 and step in opened):
+        opened = [ref() for key, ref in list(self._open.items()) if key != id(step)]
+        if not opened:
             return []
         found = self._foreign.get(id(step))
         if found is not None:
             return found
         own = step.owned_ids()
         foreign: dict[int, torch.Tensor] = {}
-        for other in list(opened):
-            if other is not step:
+        for other in opened:
+            if other is not None:
                 for p in other.known_params():  # as that step last saw them: no check runs here
                     if id(p) not in own:
                         foreign.setdefault(id(p), p)
@@ -85,7 +94,8 @@ class Ownership:
 
     def in_open_windows(self, step: _Owner) -> set[int]:
         """The ids of parameters ``step`` shares with other steps whose windows are open."""
-        return {id(p) for other in list(self._open) if other is not step for p in other.known_params()}
+        others = [ref() for key, ref in list(self._open.items()) if key != id(step)]
+        return {id(p) for other in others if other is not None for p in other.known_params()}
 
 
 OWNERSHIP = Ownership()
