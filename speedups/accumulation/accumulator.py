@@ -143,7 +143,7 @@ class Accumulator:
         self.warned_changed = False
         self.warned_joined = False
         self.noted_grad: torch.Tensor | None = None  # the sentinel's gradient after the step's last call
-        self.noted_version = -1  # ... and its version counter (see _changed)
+        self.noted_version = -1  # ... and its version counter (see _note_grad)
         self.watch_grads = sync.kind is not SyncKind.FSDP2  # FSDP2 holds the window's gradients itself
         self.last_sentinel: torch.Tensor | None = None  # the previous window's sentinel
         OWNERSHIP.add(self)
@@ -218,7 +218,8 @@ class Accumulator:
                 if self.pending == 0:  # once a window
                     if self.scaler is None:  # an outer autocast spans it
                         check_outer_autocast(loss.device.type)
-                    self._check_inner_backward()
+                    if self._backward_ran_inside():
+                        self._warn_changed(inside=True)
                 elif self.watch_grads and self.sentinel is not None:  # a backward() inside the step?
                     grad = self.sentinel.grad
                     if grad is not self.noted_grad or (
@@ -252,12 +253,7 @@ class Accumulator:
                 self.window_log.append((detached, None))
             else:
                 self._log_call(detached, n, keep)
-        sentinel = self.sentinel
-        if sentinel is None:
-            sentinel = self.sentinel = self._with_grad()
-        if self.watch_grads and sentinel is not None:  # noted: the version checks compare with it
-            grad = self.noted_grad = sentinel.grad
-            self.noted_version = -1 if grad is None else grad_version(grad)
+        self._note_grad()  # the version checks compare with it
         if boundary:
             if work is not None:
                 work.wait()
@@ -288,12 +284,7 @@ class Accumulator:
             OWNERSHIP.opened(self)
         if self.hooks:
             self._log_call(loss, n, keep_of(n) if n is not None else None)
-        sentinel = self.sentinel
-        if sentinel is None:
-            sentinel = self.sentinel = self._with_grad()
-        if self.watch_grads and sentinel is not None:  # noted: the version checks compare with it
-            grad = self.noted_grad = sentinel.grad
-            self.noted_version = -1 if grad is None else grad_version(grad)
+        self._note_grad()  # the version checks compare with it
         if boundary:
             if self.sync.kind is SyncKind.DDP:
                 self.flush()  # one all-reduce of the summed gradients (per dtype) and of the item count
@@ -309,8 +300,8 @@ class Accumulator:
         first micro-batch (with an empty window, its item count is the window's weight reference).
         """
         keep: Keep = None
-        if first_piece and self.pending == 0:
-            self._check_inner_backward()
+        if first_piece and self.pending == 0 and self._backward_ran_inside():
+            self._warn_changed(inside=True)
         if n is None:
             target, scale = loss, weight * self.inv_every
         else:
@@ -862,8 +853,11 @@ class Accumulator:
         )
 
     def _note_grad(self) -> None:
-        """Remember the sentinel's gradient as it is now (its tensor and version counter)."""
+        """Remember the sentinel's gradient as it is now (its tensor and version counter), choosing the
+        sentinel first when the window has none yet (its first call)."""
         sentinel = self.sentinel
+        if sentinel is None:
+            sentinel = self.sentinel = self._with_grad()
         grad = None if sentinel is None else sentinel.grad
         self.noted_grad, self.noted_version = grad, -1 if grad is None else grad_version(grad)
 
@@ -896,8 +890,9 @@ class Accumulator:
             stacklevel=4 if inside else 3,
         )
 
-    def _check_inner_backward(self) -> None:
-        """On a window's first call, before the step's backward: warn once if a ``backward()`` already ran.
+    def _backward_ran_inside(self) -> bool:
+        """On a window's first call, before the step's backward: whether a ``backward()`` already ran (and
+        is not yet warned about; see :meth:`_warn_changed`).
 
         The window started without gradients (:meth:`_drop_strays`), so any gradient now was made inside the
         step's function: weighted 1 instead of the window's share, and without the fp16 loss scale. It looks
@@ -905,26 +900,14 @@ class Accumulator:
         step trains); the first window, at every parameter.
         """
         if self.warned_inner_backward or not self.clean_start:
-            return
+            return False
         if self.every == 1 and self.scaler is None and self.mode is not _ITEMS:
-            return  # weighted 1 and unscaled is what the step's own backward does here: exact
+            return False  # weighted 1 and unscaled is what the step's own backward does here: exact
         zeroed = self.sync.zeroed
         probe = self.last_sentinel
-        if probe is not None and (probe.grad is None or id(probe) in zeroed):
-            return
-        made = sum(1 for p in self.trainable() if p.grad is not None and id(p) not in zeroed)
-        if not made:
-            return
-        self.warned_inner_backward = True
-        warnings.warn(  # stacklevel 4: here, _call, __call__ (wrapt's wrapper is C), the caller of the step
-            f"accumulate: a backward() ran inside the step (micro-step {self.step + 1}): it left gradients "
-            f"on {made} parameters before the step's own backward, weighted 1 instead of 1/{self.every} of "
-            f"the window{' and without the fp16 loss scale' if self.scaler is not None else ''}, so the "
-            f"update is not the big batch's. Fix: return the sum instead of calling backward, e.g. "
-            f"`aux.backward(); return main` becomes `return main + aux`.",
-            SpeedupsWarning,
-            stacklevel=4,
-        )
+        if probe is not None:
+            return probe.grad is not None and id(probe) not in zeroed
+        return any(p.grad is not None and id(p) not in zeroed for p in self.trainable())
 
     def _warn_zero_grad(self) -> None:
         """Warn once: the open window's gradients were set to None by someone else (a zero_grad by hand)."""

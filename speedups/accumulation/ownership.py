@@ -76,7 +76,7 @@ class Ownership:
     def foreign_to(self, step: _Owner) -> list[torch.Tensor]:
         """The parameters of other steps' open windows that ``step`` does not own: what it sets aside while
         it runs. ``[]`` (one check) when no other window is open; cached until something changes."""
-        opened = [ref() for key, ref in list(self._open.items()) if key != id(step)]
+        opened = self._others_open(step)
         if not opened:
             return []
         found = self._foreign.get(id(step))
@@ -85,17 +85,20 @@ class Ownership:
         own = step.owned_ids()
         foreign: dict[int, torch.Tensor] = {}
         for other in opened:
-            if other is not None:
-                for p in other.known_params():  # as that step last saw them: no check runs here
-                    if id(p) not in own:
-                        foreign.setdefault(id(p), p)
+            for p in other.known_params():  # as that step last saw them: no check runs here
+                if id(p) not in own:
+                    foreign.setdefault(id(p), p)
         found = self._foreign[id(step)] = list(foreign.values())
         return found
 
     def in_open_windows(self, step: _Owner) -> set[int]:
         """The ids of parameters ``step`` shares with other steps whose windows are open."""
-        others = [ref() for key, ref in list(self._open.items()) if key != id(step)]
-        return {id(p) for other in others if other is not None for p in other.known_params()}
+        return {id(p) for other in self._others_open(step) for p in other.known_params()}
+
+    def _others_open(self, step: _Owner) -> list[_Owner]:
+        """The live steps other than ``step`` whose windows are open."""
+        others = (ref() for key, ref in list(self._open.items()) if key != id(step))
+        return [other for other in others if other is not None]
 
 
 OWNERSHIP = Ownership()
