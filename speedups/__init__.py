@@ -4,7 +4,6 @@ Composable decorators and context managers, one folder (or module) per tip; this
 """
 
 from speedups.accumulation import UpdateRecord, accumulate
-from speedups.batch_size import AccumulationPlan, accumulation_plan, find_batch_size
 from speedups.checkpoint import (
     RunDirectory,
     StopOnSignal,
@@ -15,6 +14,13 @@ from speedups.checkpoint import (
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.memory import (
+    AccumulationPlan,
+    accumulation_plan,
+    checkpoint_activations,
+    find_batch_size,
+    uncheckpoint_activations,
+)
 from speedups.metrics import MetricLogger, plot_metrics
 from speedups.parallel import (
     ddp_wrap,
@@ -55,6 +61,7 @@ __all__ = [
     "accumulate",
     "accumulation_plan",
     "check",
+    "checkpoint_activations",
     "checkpoint_values",
     "ddp_wrap",
     "default_device",
@@ -82,6 +89,7 @@ __all__ = [
     "shard_model",
     "to_device",
     "tune_loader",
+    "uncheckpoint_activations",
     "unshard_model",
     "world_size",
 ]

@@ -11,6 +11,7 @@ import itertools
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -74,3 +75,43 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if get is not None:
         return get(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+class DropBlock(nn.Module):
+    """A residual block with dropout: ``x + drop(fc2(gelu(fc1(norm(x))))) * scale``, ``x`` ``(rows, width)``.
+
+    ``norm="batch"`` uses BatchNorm1d (running statistics written by each training forward)."""
+
+    def __init__(self, width: int = 16, *, norm: str = "layer", p: float = 0.3) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width) if norm == "batch" else nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))) * scale
+
+
+class Blocks(nn.Module):
+    """``blocks`` (a ModuleList of :class:`DropBlock`) between an input and an output Linear: ``(rows, 3) ->
+    (rows, 1)``. ``hand=True`` calls each block through ``torch.utils.checkpoint`` (non-reentrant) in forward:
+    the hand-written reference of activation checkpointing."""
+
+    def __init__(
+        self, depth: int = 3, width: int = 16, *, norm: str = "layer", hand: bool = False, seed: int = 0
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(DropBlock(width, norm=norm) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+        self.hand = hand
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.hand:
+                h = torch.utils.checkpoint.checkpoint(block, h, scale=0.5, use_reentrant=False)
+            else:
+                h = block(h, scale=0.5)
+        return self.out(h)

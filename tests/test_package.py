@@ -34,6 +34,7 @@ def test_public_names_are_pinned() -> None:
             "accumulate",
             "accumulation_plan",
             "check",
+            "checkpoint_activations",
             "checkpoint_values",
             "ddp_wrap",
             "default_device",
@@ -61,6 +62,7 @@ def test_public_names_are_pinned() -> None:
             "shard_model",
             "to_device",
             "tune_loader",
+            "uncheckpoint_activations",
             "unshard_model",
             "world_size",
         ]

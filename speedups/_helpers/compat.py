@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "checkpoint_region",
     "compiled_inner",
     "grad_version",
     "default_store",
@@ -78,3 +82,38 @@ grad_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """The version counter of a tensor: in-place changes (autograd accumulating into a gradient, ``zero_()``)
 bump it. ``Tensor._version`` is the counter autograd itself checks; torch has no public spelling of it. An
 ``attrgetter``: read once or twice per micro-step, at C speed."""
+
+
+def checkpoint_region(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    contexts: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]],
+) -> Generator[None, None, None]:
+    """torch's non-reentrant activation checkpoint of one call ``fn(*args, **kwargs)``, as a generator.
+
+    ``next()`` once before the call (the saved tensors hooks go on, the RNG state is stashed) and once after
+    it (they come off): what torch's own ``checkpoint(fn, use_reentrant=False)`` and its composable,
+    hook-based ``torch.distributed._composable.checkpoint`` run around the call, so the recompute (and the
+    RNG it restores) is bit for bit theirs. ``contexts()`` gives the contexts of the forward and of the
+    recompute (``context_fn``). torch has no public spelling: torch >= 2.10 names it
+    ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, ...)``; earlier releases take the
+    options positionally before ``*args`` (2.4: no ``early_stop``), read here from the signature.
+    """
+    from torch.utils import checkpoint as tuc
+
+    impl = getattr(tuc, "_checkpoint_without_reentrant_generator_impl", None)
+    if impl is not None:
+        return impl(fn, args, kwargs, preserve_rng_state=True, context_fn=contexts)  # type: ignore[no-any-return,unused-ignore]
+    legacy: Any = tuc._checkpoint_without_reentrant_generator
+    options: dict[str, Any] = {"preserve_rng_state": True, "context_fn": contexts}
+    options.update(determinism_check="default", debug=False, early_stop=True)
+    leading = [options[name] for name in _leading_options(legacy)]
+    return legacy(fn, *leading, *args, **kwargs)  # type: ignore[no-any-return,unused-ignore]
+
+
+@functools.cache
+def _leading_options(legacy: Callable[..., Any]) -> tuple[str, ...]:
+    """The option names an older torch's checkpoint generator takes positionally after ``fn``."""
+    params = inspect.signature(legacy).parameters.items()
+    return tuple(name for name, p in params if p.kind is p.POSITIONAL_OR_KEYWORD and name != "fn")

@@ -307,7 +307,7 @@ def test_accumulation_plan_bad_input(args: tuple, kwargs: dict, error: type[Exce
 def test_accumulation_plan_matches_brute_force_and_is_fast_on_large_inputs() -> None:
     import random
 
-    from speedups.batch_size import _largest_divisor_at_most
+    from speedups.memory.batch_search import _largest_divisor_at_most
 
     rng = random.Random(0)
     for _ in range(2000):

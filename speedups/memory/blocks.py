@@ -1,0 +1,107 @@
+"""Which submodules are a model's blocks, and which ones a list of names, patterns or classes picks.
+
+A *block* is a unit of a model that activation checkpointing covers whole: the model's children, with
+containers (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``) opened, so nanoGPT's blocks are
+``transformer.wte``, ..., ``transformer.h.0`` ... ``transformer.h.11``, ``transformer.ln_f`` and ``lm_head``,
+and a torchvision ResNet's are ``conv1``, ..., ``layer1.0``, ``layer1.1``, ..., ``fc``.
+
+Names are matched against the plain model's ``named_modules()`` (inside DDP or ``torch.compile``): a pattern
+is a dotted name whose parts may hold ``*``, ``?`` and ``[...]`` (``fnmatch``), each part matching one part of
+a name, so ``"blocks.*"`` picks ``blocks.0`` and ``blocks.1`` but not ``blocks.0.attn``. A class picks every
+module of that class. Of the modules picked, only the outermost are kept: a checkpoint inside a checkpoint
+would recompute the same activations twice (and fail torch's recompute check).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from speedups._helpers.validate import short
+from speedups._helpers.wrappers import unwrap
+
+__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "pick_modules"]
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+NameSpec = str | type | Sequence[str | type]
+
+
+def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` (its plain module), in registration order: ``[(dotted name, module)]``.
+
+    A model with no children is one block, named ``""``.
+    """
+    root = unwrap(model)
+    found = list(_open_containers("", root))
+    return found or [("", root)]
+
+
+def _open_containers(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        full = f"{prefix}{name}"
+        if isinstance(child, CONTAINERS) and len(child) > 0:
+            yield from _open_containers(full + ".", child)
+        else:
+            yield full, child
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, wanted = name.split(".") if name else [], pattern.split(".") if pattern else []
+    return len(parts) == len(wanted) and all(
+        fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted, strict=True)
+    )
+
+
+def pick_modules(model: nn.Module, names: Any, call: str) -> list[tuple[str, nn.Module]]:
+    """The outermost modules of ``model`` that ``names`` picks, in ``named_modules()`` order.
+
+    Raises:
+        TypeError: ``names`` is not a string, a module class, or a list of them.
+        ValueError: ``names`` is empty, or an entry picks nothing (the message lists the blocks).
+    """
+    entries = [names] if isinstance(names, (str, type)) else names
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, (str, type)) for e in entries):
+        raise TypeError(
+            f"{call}: names must be a submodule name or pattern (str), a module class, or a list of them; "
+            f"got {short(names)}. Write e.g. checkpoint_activations(model, 'blocks.*') or (model, [Block])."
+        )
+    bad = [e for e in entries if isinstance(e, type) and not issubclass(e, nn.Module)]
+    if bad:
+        raise TypeError(
+            f"{call}: {bad[0].__name__} is not an nn.Module class. Pass a module class or a name."
+        )
+    if not entries:
+        raise ValueError(f"{call}: names is empty. Name at least one block, e.g. 'blocks.*'.")
+    root = unwrap(model)
+    every = list(root.named_modules(remove_duplicate=False))
+    picked: dict[int, tuple[str, nn.Module]] = {}
+    for entry in entries:
+        hits = [
+            (n, m)
+            for n, m in every
+            if (isinstance(m, entry) if isinstance(entry, type) else _matches(entry, n))
+        ]
+        if not hits:
+            raise ValueError(
+                f"{call}: {short(entry)} matches no submodule of {type(root).__name__}. {_hint(entry, root)}"
+            )
+        for n, m in hits:
+            picked.setdefault(id(m), (n, m))
+    inside = {id(sub) for _, m in picked.values() for sub in m.modules() if sub is not m}
+    return [(n, m) for n, m in picked.values() if id(m) not in inside]
+
+
+def _hint(entry: str | type, root: nn.Module) -> str:
+    blocks = [n for n, _ in model_blocks(root) if n]
+    if isinstance(entry, type):
+        classes = sorted({type(m).__name__ for _, m in model_blocks(root)})
+        return f"Its blocks are of the classes {', '.join(classes)}."
+    close = difflib.get_close_matches(entry, [n for n, _ in root.named_modules() if n], n=3)
+    shown = ", ".join(repr(b) for b in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
+    near = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"Its blocks are {shown}; a '*' matches one part of a dotted name.{near}"
