@@ -57,6 +57,7 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
             registered when it raises.
 
     Example:
+        >>> import torch
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         >>> model = checkpoint_activations(model, ["0", "1"])
         >>> checkpointed(model)
