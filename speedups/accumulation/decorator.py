@@ -14,9 +14,16 @@ import torch
 
 from speedups.accumulation.accumulator import Accumulator
 from speedups.accumulation.checks import check_arguments
-from speedups.accumulation.grad_sync import grad_sync_for
-from speedups.accumulation.micro_batching import MicroBatcher, check_micro_batching
+from speedups.accumulation.grad_sync import SyncKind, grad_sync_for
+from speedups.accumulation.micro_batching import (
+    AUTO,
+    MemoryPlan,
+    MicroBatcher,
+    check_memory_budget,
+    check_micro_batching,
+)
 from speedups.accumulation.step import Step
+from speedups.errors import SpeedupsError
 
 __all__ = ["accumulate"]
 
@@ -34,6 +41,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     micro_batch_size: int | str | None = None,
     split: Callable[..., Any] | None = None,
+    memory_budget: int | str | None = None,
     enabled: bool = True,
 ) -> Callable[[F], F]:
     """Turn a function that returns a micro-batch loss into a gradient-accumulation training step.
@@ -74,6 +82,11 @@ def accumulate(
         micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
             weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
         split: ``split(args, kwargs, size) -> [(args, kwargs), ...]`` for batches the dim-0 rule cannot split.
+        memory_budget: bytes the activations may take (``"auto"``: the GPU's free memory, the CPU's available
+            memory). The first calls measure, then keep the fastest mix of micro-batch size (halvings of the
+            batch; the given one if an int) and checkpointed blocks of ``model=`` that fits (see
+            ``micro_batching.memory_plan``); ``train_step.memory_plan`` shows it. CPU: counted activation
+            bytes; GPU: measured peak. Needs ``model=``; not with FSDP2.
         enabled: False steps on every call (``every`` taken as 1), for A/B comparisons.
 
     Returns:
@@ -108,6 +121,9 @@ def accumulate(
         max_grad_value=max_grad_value,
     )  # fmt: skip
     check_micro_batching(micro_batch_size, split, every)
+    check_memory_budget(memory_budget, micro_batch_size, model, every)
+    if memory_budget is not None and micro_batch_size is None:
+        micro_batch_size = AUTO
 
     def decorator(fn: F) -> F:
         if _already_a_step(fn):
@@ -122,14 +138,26 @@ def accumulate(
                 f"accumulate({every!r}, optimizer)({what}): expected the step function (or method) that "
                 f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
             )
+        sync = grad_sync_for(model)
+        plan = None
+        if memory_budget is not None:
+            if sync.kind is SyncKind.FSDP2:
+                raise SpeedupsError(
+                    f"accumulate({every}, optimizer, memory_budget={memory_budget!r}, model=<FSDP2>): the "
+                    f"plan tries several micro-batch sizes, and an FSDP2 forward gathers parameters with "
+                    f"collectives that every rank must call alike. Give micro_batch_size=<int> and "
+                    f"checkpoint blocks with checkpoint_activations(model, names)."
+                )
+            fixed = micro_batch_size if isinstance(micro_batch_size, int) else None
+            plan = MemoryPlan(memory_budget, model, fixed, sync.world)  # type: ignore[arg-type]
         acc = Accumulator(
             every if enabled else 1,
             optimizers,
             schedulers,
             max_grad_norm,
-            grad_sync_for(model),  # one strategy per step: it holds the window's sync state
+            sync,  # one strategy per step: it holds the window's sync state
             skip_nonfinite,
-            None if micro_batch_size is None else MicroBatcher(micro_batch_size, split),
+            None if micro_batch_size is None else MicroBatcher(micro_batch_size, split, plan),
             model=model,
             guard=enabled,  # a plain step on every call (enabled=False) owns no window to guard
             max_grad_value=max_grad_value,

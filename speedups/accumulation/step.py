@@ -72,6 +72,12 @@ class _StepAttributes:
         doc='Rows per micro-batch: the fixed size; under ``"auto"`` the size '
         "found on out of memory, None while whole batches fit; None without ``micro_batch_size=``.",
     )
+    memory_plan = property(
+        lambda self: getattr(getattr(self._acc().micro, "plan", None), "choice", None),
+        doc="With ``memory_budget=``: the plan chosen (a ``PlanChoice``: ``micro_batch_size``, "
+        "``checkpointed`` blocks, measured ``bytes`` and ``seconds_per_row``), None while it measures or "
+        "without a budget.",
+    )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
 

@@ -94,24 +94,34 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return outer is not inner and any(sub is inner for sub in outer.modules())
 
 
-def uncheckpoint_activations(model: M) -> M:
-    """Undo :func:`checkpoint_activations` on every block of ``model``: they keep their activations again.
+def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
+    """Undo :func:`checkpoint_activations`: the blocks keep their activations for backward again.
 
     A backward of a forward run before the undo still recomputes (its graph holds the checkpoint).
+
+    Args:
+        model: the model given to :func:`checkpoint_activations` (or its wrapper).
+        names: which checkpointed blocks to undo, picked as :func:`checkpoint_activations` picks them (a
+            checkpointed block inside a module picked counts as picked). None: every one.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``; ``names`` of the wrong type.
+        ValueError: an entry of ``names`` matches no submodule.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"uncheckpoint_activations({short(model)}): model must be an nn.Module.")
-    for module in unwrap(model).modules():
-        recompute: Recompute | None = getattr(module, ATTR, None)
-        if recompute is not None:
-            recompute.remove()
-            delattr(module, ATTR)
+    roots = [unwrap(model)]
+    if names is not None:
+        roots = [m for _, m in pick_modules(model, names, f"uncheckpoint_activations(model, {short(names)})")]
+    for root in roots:
+        for module in root.modules():
+            recompute: Recompute | None = getattr(module, ATTR, None)
+            if recompute is not None:
+                recompute.remove()
+                delattr(module, ATTR)
     return model
 
 

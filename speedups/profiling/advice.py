@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RULES", "Advice", "Report", "Summary", "advise"]
+__all__ = ["RULES", "ActivationMemory", "Advice", "BlockMemory", "Report", "Summary", "advise"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,41 @@ class Advice:
 
     def __str__(self) -> str:
         return f"{self.message}\n     fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """One block's share of the activations kept for backward on the measured step.
+
+    ``kept`` bytes were saved while its forward ran; ``inputs`` bytes were handed to it (what a checkpoint of
+    it keeps); ``seconds`` of host time in its forward (what its recompute would cost, about).
+    """
+
+    name: str
+    kept: int
+    inputs: int
+    seconds: float
+    checkpointed: bool = False
+
+    @property
+    def saving(self) -> int:
+        """Bytes that checkpointing this block would free: what it keeps less its inputs (0 if done)."""
+        return 0 if self.checkpointed else max(self.kept - self.inputs, 0)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """The activations kept for backward on one measured step (``profile_steps(model=...)``), in bytes."""
+
+    peak: int
+    total: int
+    parameters: int
+    blocks: tuple[BlockMemory, ...]
+
+    def best_blocks(self) -> list[BlockMemory]:
+        """The blocks worth checkpointing (each frees >= 2% of the total), most bytes per second first."""
+        worth = [b for b in self.blocks if b.saving >= 0.02 * self.total and b.saving > 0]
+        return sorted(worth, key=lambda b: b.saving / max(b.seconds, 1e-9), reverse=True)
 
 
 @dataclass(frozen=True)
@@ -54,6 +89,7 @@ class Summary:
     median_step_s: float | None = None
     p90_data_s: float | None = None
     p90_step_s: float | None = None
+    activations: ActivationMemory | None = None
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -137,6 +173,46 @@ def _rule_cpu_bf16(s: Summary) -> Advice | None:
     )
 
 
+def _rule_activation_memory(s: Summary) -> Advice | None:
+    """Activations kept for backward outweigh the parameters: checkpoint the blocks that free the most."""
+    a = s.activations
+    if a is None or a.peak < a.parameters:
+        return None
+    best = a.best_blocks()
+    if not best:
+        return None
+    saving, seconds = sum(b.saving for b in best), sum(b.seconds for b in best)
+    shown = ", ".join(b.name for b in best[:6]) + (f" and {len(best) - 6} more" if len(best) > 6 else "")
+    return Advice(
+        "activation-memory",
+        f"Activations kept for backward peak at {_mib(a.peak)} ({a.peak / max(a.parameters, 1):.1f}x the "
+        f"parameters). Checkpointing {shown} (most memory freed per recompute time first) would free about "
+        f"{_mib(saving)} ({saving / max(a.total, 1):.0%}) for about {seconds * 1e3:.1f} ms more per step "
+        f"(one more forward of them); with @accumulate(..., memory_budget=...) the plan chooses for you.",
+        f"checkpoint_activations(model, {_names_as_written([b.name for b in best], a)})",
+        0.0,  # memory, not time: listed after the tips that save time
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _names_as_written(names: list[str], a: ActivationMemory) -> str:
+    """``names`` as a checkpoint_activations argument: ``"h.*"`` where they are every block under ``h``."""
+    parents: dict[str, list[str]] = {}
+    for block in a.blocks:
+        parent = block.name.rpartition(".")[0]
+        parents.setdefault(parent, []).append(block.name)
+    chosen, written = set(names), []
+    for parent, children in parents.items():
+        if parent and len(children) > 1 and chosen.issuperset(children):
+            written.append(f"{parent}.*")
+            chosen -= set(children)
+    written += [n for n in names if n in chosen]
+    return repr(written[0]) if len(written) == 1 else repr(written)
+
+
 RULES: tuple[Callable[[Summary], Advice | None], ...] = (
     _rule_data_bound,
     _rule_workers_zero,
@@ -144,6 +220,7 @@ RULES: tuple[Callable[[Summary], Advice | None], ...] = (
     _rule_empty_cache,
     _rule_tiny_batches,
     _rule_cpu_bf16,
+    _rule_activation_memory,
 )
 
 
@@ -185,6 +262,8 @@ class Report:
         if s.samples_per_s is not None:
             lines.append(f"  throughput         {s.samples_per_s:9.1f} samples/s")
         lines.append(f"  peak memory        {s.peak_memory}")
+        if s.activations is not None:
+            lines += _activation_lines(s.activations)
         if self.advice:
             lines.append("What would help, most valuable first:")
             for i, a in enumerate(self.advice, 1):
@@ -192,3 +271,16 @@ class Report:
         else:
             lines.append("No tip applies: the loop is neither data-bound nor sync-bound.")
         return "\n".join(lines)
+
+
+def _activation_lines(a: ActivationMemory) -> list[str]:
+    """The report's lines on the activations kept for backward: the peak, then the largest blocks."""
+    lines = [f"  kept for backward  {_mib(a.peak)} at peak (counted on one step); by block, most first:"]
+    blocks = sorted(a.blocks, key=lambda b: b.kept, reverse=True)
+    for b in blocks[:6]:
+        done = "  (checkpointed)" if b.checkpointed else ""
+        lines.append(f"      {b.name:<24} {_mib(b.kept):>12}   forward {b.seconds * 1e3:8.3f} ms{done}")
+    if len(blocks) > 6:
+        rest = blocks[6:]
+        lines.append(f"      ... {len(rest)} more blocks: {_mib(sum(b.kept for b in rest))}")
+    return lines

@@ -20,8 +20,11 @@ import wrapt
 
 from speedups._helpers import validate
 from speedups._helpers.hardware import cpu_has_native_bf16, usable_cpus
+from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.profiling.advice import Advice, Report, Summary, advise
+from speedups.memory import checkpointed
+from speedups.memory.saved_activations import SavedActivations
+from speedups.profiling.advice import ActivationMemory, Advice, BlockMemory, Report, Summary, advise
 from speedups.profiling.measure import LoaderBatchSizes, Sampling, gpus_in_use, p90, peak_memory, samples_in
 from speedups.profiling.mistakes import MistakeWatcher
 from speedups.profiling.plots import draw_steps
@@ -174,6 +177,9 @@ class StepProfiler:
         self._loader_workers: int | None = None
         self._mistakes = MistakeWatcher(model) if debug else None
         self._gpus: list[int] | None = None  # the CUDA devices whose streams the step events time
+        self._counting: SavedActivations | None = None  # counts the activations of the step running now
+        self.activations: SavedActivations | None = None
+        """With ``model=``: the bytes kept for backward on the first sampled step, per block (else None)."""
 
     # ------------------------------------------------------------------------ context manager / decorator
     def __enter__(self) -> StepProfiler:
@@ -294,11 +300,16 @@ class StepProfiler:
             record._events = _StepEvents.begin(self._gpus)
         if not sampled:
             return record, None
+        if self.model is not None and self.activations is None and self._counting is None:
+            self._counting = SavedActivations(self.model).__enter__()
         return record, Sampling.begin(on_gpu=record._events is not None, keep_losses=self.debug)
 
     def _end(self, record: StepRecord, start: float, sampling: Sampling | None) -> None:
         end = time.perf_counter()
         record.step_s = end - start if record.claimed_s is None else record.claimed_s
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self.activations, self._counting = self._counting, None
         self._last_end = end
         if not record.sampled:
             self._last_plain_s = record.step_s
@@ -381,7 +392,21 @@ class StepProfiler:
             loader_workers=self._loader_workers,
             usable_cpus=usable_cpus(),
             peak_memory=peak_memory(),
+            activations=self._activation_memory(),
         )
+
+    def _activation_memory(self) -> ActivationMemory | None:
+        counted = self.activations
+        if counted is None or self.model is None:
+            return None
+        done = set(checkpointed(self.model))
+        kept, inputs, seconds = counted.bytes_by_block, counted.input_bytes, counted.seconds_by_block
+        blocks = tuple(
+            BlockMemory(name, kept[name], inputs[name], seconds[name], checkpointed=name in done)
+            for name, _ in counted.blocks
+        )
+        params = sum(p.numel() * p.element_size() for p in unwrap(self.model).parameters())
+        return ActivationMemory(counted.peak_bytes, counted.total_bytes, params, blocks)
 
     def advice(self) -> list[Advice]:
         """The tips that would help this loop, most valuable first (see :meth:`report`)."""
@@ -439,7 +464,10 @@ def profile_steps(
             step after warm-up, then as rarely as keeps the sampling's extra cost under about 1% of the run.
             Sampled steps are slower and left out of the means; ``debug=True`` samples every step.
         debug: also run the mistake detectors (see :func:`speedups.check`); slower, for a few hundred steps.
-        model: the (DDP-wrapped) model, for the ``no_sync`` detector in debug mode.
+        model: the (DDP-wrapped) model. On the first sampled step the bytes of activations kept for backward
+            are counted per block (``saved_tensors_hooks``; exact, CPU or GPU) with each block's forward
+            time: the report lists them and the advice names the blocks to checkpoint. Also the ``no_sync``
+            detector's model in debug mode.
         batch_size: samples per step, for the throughput. None: the ``DataLoader``'s ``batch_size`` (short
             last batch included), else the leading dimension of the batch's first tensor.
         enabled: False makes every part a no-op: ``iter`` returns the plain iterator, the decorator

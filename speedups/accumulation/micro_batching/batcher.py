@@ -34,6 +34,7 @@ import torch
 from speedups._helpers.oom import is_out_of_memory
 from speedups._helpers.tree import tree_map
 from speedups._helpers.validate import short
+from speedups.accumulation.micro_batching.memory_plan import MemoryPlan
 from speedups.accumulation.micro_batching.splitting import Piece, Split, custom_split, split_call
 from speedups.accumulation.output import merge_extras
 from speedups.accumulation.zero_items import Keep
@@ -151,18 +152,36 @@ class MicroBatcher:
         size: the current rows per micro-batch; None while ``auto`` has not needed to split.
     """
 
-    def __init__(self, micro_batch_size: int | str, split: Split | None) -> None:
+    def __init__(
+        self, micro_batch_size: int | str, split: Split | None, plan: MemoryPlan | None = None
+    ) -> None:
         self.auto = micro_batch_size == AUTO
         self.size: int | None = None if self.auto else int(micro_batch_size)
         self.split = split
         self.backwards = 0  # micro-batch backwards run by the current call
+        self.plan = plan  # with memory_budget=: chooses the size and the checkpointed blocks
+        self._planning = plan is not None  # until the plan's choice is taken
 
-    def pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, list[Piece]]:
-        """The call's rows and micro-batches at the current size, checked before anything runs."""
-        size = sys.maxsize if self.size is None else self.size
+    def take_plan(self, state: dict[str, Any]) -> None:
+        """Resume with the plan a run saved (``MemoryPlan.state_dict()``): its size and blocks, no trials."""
+        assert self.plan is not None
+        self.plan.load_state_dict(state)
+        self.size = self.plan.size_for(None)
+        self._planning = False
+
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], size: int
+    ) -> tuple[int | None, list[Piece]]:
         if self.split is None:
             return split_call(args, kwargs, size)
         return custom_split(self.split, args, kwargs, size)
+
+    def pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, list[Piece]]:
+        """The call's rows and micro-batches at the current size, checked before anything runs."""
+        if self._planning and self.plan is not None:
+            self.size = self.plan.size_for(self._split(args, kwargs, sys.maxsize)[0])
+            self._planning = not self.plan.done
+        return self._split(args, kwargs, sys.maxsize if self.size is None else self.size)
 
     def run(
         self,
@@ -182,6 +201,29 @@ class MicroBatcher:
         at half the size, the gradients put back first; a failure after some backwards that cannot be undone
         closes the window (a note on the error says so).
         """
+        plan = self.plan if self.plan is not None and not self.plan.done else None
+        if plan is None:
+            return self._run_sizes(host, wrapped, args, kwargs, split)
+        plan.begin()
+        failed = True
+        try:
+            result = self._run_sizes(host, wrapped, args, kwargs, split)
+            failed = False
+        finally:
+            plan.end(split[0], self.size, failed)
+        if plan.choice is not None:  # chosen at this call's end: the next call runs at its size
+            self.size, self._planning = plan.choice.micro_batch_size, False
+        return result
+
+    def _run_sizes(
+        self,
+        host: MicroBatchHost,
+        wrapped: Callable[..., Any],
+        args: Any,
+        kwargs: dict[str, Any],
+        split: tuple[int | None, list[Piece]],
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """:meth:`run` without the plan's measurements: the call, at half the size again on out of memory."""
         rows, pieces = split
         params = host.trainable() if self.auto else []
         window = host.window_counts()  # undone when a try fails

@@ -1,0 +1,191 @@
+"""@accumulate(..., memory_budget=...): the plan of micro-batch size and checkpointed blocks, measured on the
+first calls, fits the budget (counted activations on the CPU), is the fastest it tried, keeps the big batch's
+gradients, resumes without new trials, and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from speedups import SpeedupsError, accumulate, checkpoint_activations
+from speedups.accumulation.micro_batching import PlanChoice
+from speedups.memory import checkpointed
+from speedups.memory.saved_activations import SavedActivations
+from tests._models import Blocks, FakeFSDP2
+
+ROWS = 16
+
+
+def batches(n: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(ROWS, 3, generator=g), torch.randn(ROWS, 1, generator=g)) for _ in range(n)]
+
+
+def model_bytes(model: nn.Module, rows: int = ROWS) -> int:
+    """The activations a plain forward and backward of ``rows`` rows keep at peak (counted)."""
+    with SavedActivations(model) as counted:
+        model(torch.randn(rows, 3)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return counted.peak_bytes
+
+
+def plan_of(step: object) -> object:
+    return step._acc().micro.plan  # type: ignore[attr-defined]
+
+
+def test_the_plan_fits_the_budget_is_the_fastest_tried_and_keeps_the_big_batch() -> None:
+    model, ref = Blocks(depth=4, width=32, seed=1), Blocks(depth=4, width=32, seed=1)
+    ref.eval(), model.eval()  # no dropout: the plan's calls run at other sizes than the reference
+    budget = model_bytes(model) // 2
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+
+    @accumulate(2, opt, memory_budget=budget, model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    data = batches(16)
+    for x, y in data:
+        step(x, y)
+    for i in range(0, len(data), 2):  # the big batch by hand: the window's mean loss
+        for x, y in data[i : i + 2]:
+            (nn.functional.mse_loss(ref(x), y) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+    choice = step.memory_plan
+    plan = plan_of(step)
+    assert isinstance(choice, PlanChoice) and plan.tried  # type: ignore[attr-defined]
+    fitting = [c for c in plan.tried if c.seconds_per_row is not None]  # type: ignore[attr-defined]
+    assert choice == min(fitting, key=lambda c: c.seconds_per_row)
+    assert step.micro_batch_size == choice.micro_batch_size
+    assert checkpointed(model) == sorted(choice.checkpointed, key=lambda n: int(n.split(".")[1]))
+    # what it keeps now, counted on a fresh call, is within the budget; the plain run's is not
+    with SavedActivations(model) as counted:
+        step(*data[0])
+    assert counted.peak_bytes <= budget < 2 * budget <= model_bytes(Blocks(depth=4, width=32))
+    assert choice.bytes is not None and choice.bytes <= budget
+
+
+def test_a_budget_the_whole_batch_fits_decides_after_one_call_with_nothing_checkpointed() -> None:
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @accumulate(1, opt, memory_budget=10 * model_bytes(model), model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    assert step.memory_plan is None
+    step(*batches(1)[0])
+    assert step.memory_plan == PlanChoice(ROWS, (), None, None)
+    assert plan_of(step).tried == []  # type: ignore[attr-defined]
+    assert checkpointed(model) == []
+
+
+def test_a_fixed_micro_batch_size_plans_the_checkpointing_only() -> None:
+    model = Blocks(depth=4, width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = model_bytes(model, rows=4) // 2
+
+    @accumulate(1, opt, micro_batch_size=4, memory_budget=budget, model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    for x, y in batches(12):
+        step(x, y)
+    choice = step.memory_plan
+    assert choice is not None and choice.micro_batch_size == 4 and choice.checkpointed
+    assert all(c.micro_batch_size == 4 for c in plan_of(step).tried)  # type: ignore[attr-defined]
+
+
+def test_a_user_checkpointed_block_is_left_as_it_is() -> None:
+    model = Blocks(depth=4, width=32)
+    checkpoint_activations(model, "blocks.0")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @accumulate(1, opt, memory_budget=model_bytes(model) // 2, model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    for x, y in batches(14):
+        step(x, y)
+    assert step.memory_plan is not None and "blocks.0" not in step.memory_plan.checkpointed
+    assert "blocks.0" in checkpointed(model)
+
+
+def test_a_budget_nothing_fits_raises_before_the_next_call_changes_anything() -> None:
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @accumulate(2, opt, memory_budget=64, model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    (x, y), (x2, y2) = batches(2)
+    step(x, y)  # the probe runs and counts
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(SpeedupsError, match=r"memory_budget=64\): nothing fits in 0\.0 MiB: one row"):
+        step(x2, y2)
+    assert step.step == 1 and step.pending == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))  # type: ignore[arg-type]
+
+
+def test_a_resumed_step_takes_the_saved_plan_without_new_trials() -> None:
+    def build() -> tuple[nn.Module, object]:
+        model = Blocks(depth=4, width=32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        @accumulate(1, opt, memory_budget=model_bytes(model) // 2, model=model)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(model(x), y)
+
+        return model, step
+
+    _, step = build()
+    for x, y in batches(14):
+        step(x, y)  # type: ignore[operator]
+    state = step.state_dict()  # type: ignore[attr-defined]
+    assert state["plan"] == {
+        "micro_batch_size": step.memory_plan.micro_batch_size,  # type: ignore[attr-defined]
+        "checkpointed": list(step.memory_plan.checkpointed),  # type: ignore[attr-defined]
+    }
+    model2, step2 = build()
+    step2.load_state_dict(state)  # type: ignore[attr-defined]
+    assert step2.memory_plan == PlanChoice(
+        state["plan"]["micro_batch_size"], tuple(state["plan"]["checkpointed"])
+    )  # type: ignore[attr-defined]
+    assert sorted(checkpointed(model2)) == sorted(state["plan"]["checkpointed"])
+    assert step2.micro_batch_size == state["plan"]["micro_batch_size"]  # type: ignore[attr-defined]
+    step2(*batches(1)[0])  # type: ignore[operator]
+    assert plan_of(step2).tried == []  # type: ignore[attr-defined]
+    bad = dict(state, plan={"micro_batch_size": 4, "checkpointed": ["nope.*"]})
+    with pytest.raises(ValueError, match=r"saved memory plan.*'nope\.\*' matches no submodule"):
+        step2.load_state_dict(bad)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(memory_budget="lots"), ValueError, "the only string allowed is 'auto'"),
+        (dict(memory_budget=0), ValueError, r"must be >= 1 \(bytes\)"),
+        (dict(memory_budget=1.5e9), TypeError, "expected an int of bytes >= 1 or 'auto', got float"),
+        (dict(memory_budget=True), TypeError, "got bool"),
+        (dict(memory_budget=2**30, model=None), ValueError, "it needs model="),
+        (dict(memory_budget=2**30, model="m"), TypeError, "model"),
+    ],
+)
+def test_bad_budgets_are_refused_when_decorating(kwargs: dict, error: type, match: str) -> None:
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"model": model, **kwargs}
+    with pytest.raises(error, match=match):
+        accumulate(1, opt, **kwargs)
+
+
+def test_fsdp2_is_refused_with_the_fix() -> None:
+    model = FakeFSDP2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SpeedupsError, match=r"FSDP2.*micro_batch_size=<int>.*checkpoint_activations"):
+        accumulate(1, opt, memory_budget=2**30, model=model)(lambda x: x)
