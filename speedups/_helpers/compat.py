@@ -15,7 +15,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "NOT_COMPILING",
     "checkpoint_region",
+    "eager_frames",
+    "restore_frames",
     "compiled_inner",
     "grad_version",
     "default_store",
@@ -117,3 +120,33 @@ def _leading_options(legacy: Callable[..., Any]) -> tuple[str, ...]:
     """The option names an older torch's checkpoint generator takes positionally after ``fn``."""
     params = inspect.signature(legacy).parameters.items()
     return tuple(name for name, p in params if p.kind is p.POSITIONAL_OR_KEYWORD and name != "fn")
+
+
+NOT_COMPILING = object()
+"""What :func:`eager_frames` returns when ``torch.compile`` cannot be running (dynamo never imported)."""
+
+
+def eager_frames(*own: Callable[..., Any]) -> Any:
+    """Run the Python frames that follow eagerly, out of ``torch.compile``'s reach, until restored.
+
+    A checkpointed block's forward must run as its recompute will (eagerly: torch runs the recompute with
+    dynamo off); compiled apart, AOT autograd would save other tensors than the recompute makes and torch's
+    checkpoint raises (pytorch/pytorch#166926). ``own`` are the hook functions calling this, marked for
+    dynamo to leave alone. dynamo's frame callback is swapped with ``torch._C._dynamo.eval_frame
+    .set_eval_frame`` (what ``torch.compiler.disable`` does around a call; no public spelling for a span
+    between two hooks) and its code skips with ``skip_code``. Returns what :func:`restore_frames` puts back.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return NOT_COMPILING  # nothing has been compiled in this process: no frame callback to swap
+    frames: Any = torch._C._dynamo.eval_frame
+    skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
+    for fn in own:
+        skip(fn.__code__)
+    return frames.set_eval_frame(None)
+
+
+def restore_frames(prior: Any) -> None:
+    """Put back the frame callback :func:`eager_frames` swapped out."""
+    if prior is not NOT_COMPILING:
+        frames: Any = torch._C._dynamo.eval_frame
+        frames.set_eval_frame(prior)

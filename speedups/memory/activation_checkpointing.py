@@ -9,8 +9,10 @@ non-reentrant checkpoint (see :mod:`speedups.memory.recompute`); :func:`uncheckp
 
 from __future__ import annotations
 
+import sys
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 from speedups._helpers.validate import short
@@ -35,7 +37,8 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
     (``profile_steps(model=...)`` shows the bytes per block). Buffers a forward writes (BatchNorm's running
     statistics) are put back after each recompute, so they end as a plain run leaves them. Composes with
     ``@accumulate`` (micro-batching too), ``mixed_precision``, ``ddp_wrap``, FSDP2's ``fully_shard`` (before
-    or after it) and ``torch.compile``. Only calls through ``block(...)`` are covered (hooks on the module).
+    or after it) and ``torch.compile`` (a checkpointed block then runs eagerly, as its recompute does: a graph
+    break around it; compiled code is reset so the hooks are seen). Only calls through ``block(...)`` count.
     Side effects of a forward other than its buffers (a Python counter, a list appended to) run again.
     Sync points: none.
 
@@ -87,7 +90,19 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
     for name, module in picked:
         if getattr(module, ATTR, None) is None:  # already checkpointed: kept as it is
             setattr(module, ATTR, Recompute(module, name))
+    _recompile()
     return model
+
+
+def _recompile() -> None:
+    """Drop what ``torch.compile`` compiled, so that the hooks added or removed are seen.
+
+    dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled
+    before would run without them. torch's advice after changing hooks is ``torch.compiler.reset()``; it
+    costs a recompile at the next call of each compiled function, and nothing if nothing was compiled.
+    """
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
@@ -122,6 +137,7 @@ def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
             if recompute is not None:
                 recompute.remove()
                 delattr(module, ATTR)
+    _recompile()
     return model
 
 

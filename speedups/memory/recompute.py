@@ -43,7 +43,7 @@ class Recompute:
     def __init__(self, module: nn.Module, name: str) -> None:
         self.name = name
         self.recomputing = 0
-        self._regions: list[Generator[None, None, None] | None] = []
+        self._regions: list[tuple[Generator[None, None, None], Any] | None] = []
         self._buffers = list(module.buffers())
         self._norms = [m for m in module.modules() if _tracks_running_stats(m)]
         self._versions: list[list[int]] = []
@@ -68,15 +68,20 @@ class Recompute:
         if self._buffers:
             self._versions.append([compat.grad_version(b) for b in self._buffers])
         region = compat.checkpoint_region(module, args, kwargs, self._contexts)
+        frames = compat.eager_frames(Recompute._enter, Recompute._exit)  # as the recompute will run
         next(region)
-        self._regions.append(region)
+        self._regions.append((region, frames))
 
     def _exit(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        region = self._regions.pop() if self._regions else None
-        if region is None:
+        entry = self._regions.pop() if self._regions else None
+        if entry is None:
             return
-        with contextlib.suppress(StopIteration):
-            next(region)
+        region, frames = entry
+        try:
+            with contextlib.suppress(StopIteration):
+                next(region)
+        finally:
+            compat.restore_frames(frames)
         if self._buffers and self._versions:
             before = self._versions.pop()
             for buf, version in zip(self._buffers, before, strict=True):
