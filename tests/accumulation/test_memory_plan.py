@@ -189,3 +189,24 @@ def test_fsdp2_is_refused_with_the_fix() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(SpeedupsError, match=r"FSDP2.*micro_batch_size=<int>.*checkpoint_activations"):
         accumulate(1, opt, memory_budget=2**30, model=model)(lambda x: x)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_of_a_ddp_job_agree_on_the_plan_and_stay_in_step(tmp_path) -> None:
+    from tests._dist import WORKERS, run_torchrun
+
+    job = run_torchrun(WORKERS / "memory_plan_ddp.py", [str(tmp_path)], nproc=2, timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    chosen = [(r["choice"].micro_batch_size, r["choice"].checkpointed) for r in (r0, r1)]
+    assert chosen[0] == chosen[1]  # one plan (each rank keeps its own timing of it)
+    assert (
+        r0["checkpointed"] == r1["checkpointed"] and r0["size"] == r1["size"] == r0["choice"].micro_batch_size
+    )
+    assert [(c.micro_batch_size, c.checkpointed) for c in r0["tried"]] == [
+        (c.micro_batch_size, c.checkpointed) for c in r1["tried"]
+    ]
+    assert r0["choice"].bytes <= r0["budget"]
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the replicas agree
