@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,21 @@ def test_suite_runner_rejects_an_unknown_benchmark() -> None:
     cmd = [sys.executable, "-m", "benchmarks", "--only", "nope"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "no such benchmark" in out.stderr
+
+
+def test_memory_benchmark_quick_mode_prints_its_line_and_the_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--quick"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"memory: checkpointing saves \d+% of activation bytes at \d+\.\d\dx time; plan "
+                     r"\d+\.\d\dx of the best single lever", out.stdout), out.stdout  # fmt: skip
+    for row in (
+        "| plain",
+        "| every block checkpointed",
+        "| micro-batches only",
+        "| checkpointing only",
+        "| plan (",
+    ):
+        assert row in out.stdout
