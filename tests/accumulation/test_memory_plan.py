@@ -210,3 +210,30 @@ def test_ranks_of_a_ddp_job_agree_on_the_plan_and_stay_in_step(tmp_path) -> None
     assert r0["choice"].bytes <= r0["budget"]
     for a, b in zip(r0["params"], r1["params"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the replicas agree
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_plan_measures_the_peak_and_fits_it() -> None:
+    torch.manual_seed(0)
+    model = Blocks(depth=6, width=256).cuda().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(4096, 3, device="cuda"), torch.randn(4096, 1, device="cuda")
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    nn.functional.mse_loss(model(x), y).backward()
+    plain_peak = torch.cuda.max_memory_allocated() - base
+    model.zero_grad(set_to_none=True)
+    budget = plain_peak // 2
+
+    @accumulate(1, opt, memory_budget=budget, model=model)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    for _ in range(20):
+        step(x, y)
+    choice = step.memory_plan
+    assert choice is not None and choice.bytes is not None and choice.bytes <= budget
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(x, y)
+    assert torch.cuda.max_memory_allocated() - base <= budget
