@@ -42,13 +42,15 @@ def gather_rank_states(
     sharded checkpoint needs). Collective: every rank calls it at the same point.
 
     Returns:
-        On rank 0 (every rank with ``to_all``): the RNG states in rank order, and per name the states in rank
-        order with ``None`` at index 0 (rank 0's is the entry itself); None on the other ranks. In one
-        process: ``([this process's RNG states], {})``.
+        On rank 0: the RNG states in rank order, and per name the states in rank order with ``None`` at index
+        0 (rank 0's is the entry itself, which rank 0 writes); None on the other ranks. With ``to_all``, on
+        every rank, the same with rank 0's states at index 0 too: rank 0's come from the gather, never from
+        the calling rank. In one process: ``([this process's RNG states], {})`` (with ``to_all``, per name
+        ``[states[name]]``).
     """
     mine = {"rng": file_format.rng_to_file(get_rng_states()), "states": states}
     if not collective():
-        return [mine["rng"]], {}
+        return [mine["rng"]], ({name: [state] for name, state in states.items()} if to_all else {})
     world = torch.distributed.get_world_size()
     every: list[Any] | None = [None] * world if to_all or env.rank() == 0 else None
     with env.on_comm_device():  # this rank's GPU under NCCL, not whatever is current
@@ -58,7 +60,10 @@ def gather_rank_states(
             torch.distributed.gather_object(mine, every, dst=0)
     if every is None:
         return None
-    per_rank = {name: [None] + [every[r]["states"][name] for r in range(1, world)] for name in states}
+    first = 0 if to_all else 1  # without to_all rank 0 writes its own states as the entries themselves
+    per_rank = {
+        name: [None] * first + [every[r]["states"][name] for r in range(first, world)] for name in states
+    }
     return [r["rng"] for r in every], per_rank
 
 

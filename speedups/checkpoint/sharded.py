@@ -5,7 +5,8 @@ it, and rank 0 renames that over ``path`` once every rank has written (a crash m
 checkpoint, and a ``.partial`` directory the next save removes). Models and their optimizers are sharded by
 ``torch.distributed.checkpoint`` (which also reshards them for another world size); the per-rank objects
 (loader, tracker, ``@accumulate`` step) and every rank's RNG states go in as one opaque blob of all ranks'
-states, so each rank gets its own back.
+states, so each rank gets its own back. DCP writes one copy of an entry every rank holds, from a rank of its
+choosing, so each blob is built from an all-gather: its meaning does not depend on the rank that writes it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from speedups._helpers import env
+from speedups._helpers.tree import tree_map
 from speedups.checkpoint.entries import fsdp_type
 from speedups.checkpoint.file_format import Contents
 from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
@@ -85,14 +87,20 @@ def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> 
     if env.rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a save cut short before: never renamed
-    gathered = gather_rank_states(own, to_all=True)  # the same on every rank; also waits for the removal
+    # The same on every rank (also waits for the removal). On the CPU: the blobs are read back there anyway,
+    # and another rank's CUDA tensors would land on its GPU in this process.
+    gathered = gather_rank_states(tree_map(_on_cpu, {"objects": own, "plain": plain}), to_all=True)
     assert gathered is not None
-    rng, per_rank = gathered
+    rng, every = gathered
+    rank0, later = every["objects"][0], every["objects"][1:]
+    per_rank = {name: [None] + [states[name] for states in later] for name in own} if later else {}
     state = _dcp_state(objects)
-    # Opaque blobs (the same on every rank after the gather), so DCP does not merge per-rank values.
-    state["_plain"] = _blob(plain)
+    # Opaque blobs, built from the gather alone: the same bytes' meaning on every rank, since DCP writes one
+    # copy of an entry all ranks hold from whichever rank it picks (its smallest plan, not rank 0). Rank 0's
+    # plain values, as in a checkpoint file rank 0 writes.
+    state["_plain"] = _blob(every["plain"][0])
     state["_rng"] = _blob(rng)
-    state["_ranks"] = _blob({"world_size": len(rng), "rank0": own, "per_rank": per_rank})
+    state["_ranks"] = _blob({"world_size": len(rng), "rank0": rank0, "per_rank": per_rank})
     dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
     error = ""
     if env.rank() == 0:
@@ -190,6 +198,10 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
             f"Was it written by save_checkpoint with an FSDP2 model?"
         ) from None
     return dict(_unblob(state["_plain"]))
+
+
+def _on_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _blob(value: Any) -> bytes:
