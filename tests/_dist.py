@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-HAS_FSDP2 = hasattr(getattr(__import__("torch").distributed, "fsdp", None), "fully_shard")
+try:  # torch.distributed does not import its fsdp package by itself
+    import torch.distributed.fsdp as _fsdp
+except ImportError:  # a torch built without distributed
+    _fsdp = None  # type: ignore[assignment]
+HAS_FSDP2 = hasattr(_fsdp, "fully_shard")
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) is public from torch 2.6; older torch skips its tests."""
 FSDP2_REASON = "FSDP2 (torch.distributed.fsdp.fully_shard) is public from torch 2.6"
 
