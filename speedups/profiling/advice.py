@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RULES", "ActivationMemory", "Advice", "BlockMemory", "Report", "Summary", "advise"]
+from speedups.profiling.activation_memory import ActivationMemory
+
+__all__ = ["RULES", "Advice", "Report", "Summary", "advise"]
 
 
 @dataclass(frozen=True)
@@ -24,41 +26,6 @@ class Advice:
 
     def __str__(self) -> str:
         return f"{self.message}\n     fix: {self.fix}"
-
-
-@dataclass(frozen=True)
-class BlockMemory:
-    """One block's share of the activations kept for backward on the measured step.
-
-    ``kept`` bytes were saved while its forward ran; ``inputs`` bytes were handed to it (what a checkpoint of
-    it keeps); ``seconds`` of host time in its forward (what its recompute would cost, about).
-    """
-
-    name: str
-    kept: int
-    inputs: int
-    seconds: float
-    checkpointed: bool = False
-
-    @property
-    def saving(self) -> int:
-        """Bytes that checkpointing this block would free: what it keeps less its inputs (0 if done)."""
-        return 0 if self.checkpointed else max(self.kept - self.inputs, 0)
-
-
-@dataclass(frozen=True)
-class ActivationMemory:
-    """The activations kept for backward on one measured step (``profile_steps(model=...)``), in bytes."""
-
-    peak: int
-    total: int
-    parameters: int
-    blocks: tuple[BlockMemory, ...]
-
-    def best_blocks(self) -> list[BlockMemory]:
-        """The blocks worth checkpointing (each frees >= 2% of the total), most bytes per second first."""
-        worth = [b for b in self.blocks if b.saving >= 0.02 * self.total and b.saving > 0]
-        return sorted(worth, key=lambda b: b.saving / max(b.seconds, 1e-9), reverse=True)
 
 
 @dataclass(frozen=True)

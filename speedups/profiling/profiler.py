@@ -24,7 +24,8 @@ from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
 from speedups.memory import checkpointed
 from speedups.memory.saved_activations import SavedActivations
-from speedups.profiling.advice import ActivationMemory, Advice, BlockMemory, Report, Summary, advise
+from speedups.profiling.activation_memory import ActivationMemory, BlockMemory
+from speedups.profiling.advice import Advice, Report, Summary, advise
 from speedups.profiling.measure import LoaderBatchSizes, Sampling, gpus_in_use, p90, peak_memory, samples_in
 from speedups.profiling.mistakes import MistakeWatcher
 from speedups.profiling.plots import draw_steps

@@ -8,7 +8,8 @@ from torch import nn
 
 from speedups import checkpoint_activations, profile_steps
 from speedups.memory.saved_activations import OUTSIDE, SavedActivations
-from speedups.profiling.advice import ActivationMemory, BlockMemory, Summary, advise
+from speedups.profiling.activation_memory import ActivationMemory, BlockMemory
+from speedups.profiling.advice import Summary, advise
 from tests._models import Blocks
 
 
