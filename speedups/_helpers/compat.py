@@ -18,6 +18,7 @@ __all__ = [
     "NOT_COMPILING",
     "checkpoint_region",
     "eager_frames",
+    "leave_to_eager",
     "restore_frames",
     "compiled_inner",
     "grad_version",
@@ -138,11 +139,25 @@ def eager_frames(*own: Callable[..., Any]) -> Any:
     """
     if "torch._dynamo" not in sys.modules:
         return NOT_COMPILING  # nothing has been compiled in this process: no frame callback to swap
+    leave_to_eager(*own)
+    frames: Any = torch._C._dynamo.eval_frame
+    return frames.set_eval_frame(None)
+
+
+def leave_to_eager(*functions: Callable[..., Any]) -> None:
+    """Have ``torch.compile`` never compile a frame of these functions (autograd hooks, module hooks: run
+    from C++ or between compiled regions, each would be compiled as a frame of its own, and recompiled).
+
+    dynamo's ``skip_code`` (``torch._dynamo.eval_frame``; ``torch._C._dynamo.eval_frame`` in torch 2.4);
+    ``torch.compiler.disable(fn, recursive=False)`` would do it through a wrapper. A no-op while dynamo was
+    never imported (nothing can be compiled then).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return
     frames: Any = torch._C._dynamo.eval_frame
     skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
-    for fn in own:
+    for fn in functions:
         skip(fn.__code__)
-    return frames.set_eval_frame(None)
 
 
 def restore_frames(prior: Any) -> None:

@@ -74,9 +74,9 @@ class _StepAttributes:
     )
     memory_plan = property(
         lambda self: getattr(getattr(self._acc().micro, "plan", None), "choice", None),
-        doc="With ``memory_budget=``: the plan chosen (a ``PlanChoice``: ``micro_batch_size``, "
-        "``checkpointed`` blocks, measured ``bytes`` and ``seconds_per_row``), None while it measures or "
-        "without a budget.",
+        doc="With ``memory_budget=``: the plan chosen (a ``PlanChoice``: ``micro_batch_size``, the blocks "
+        "the plan ``checkpointed`` (yours stay as you set them), measured ``bytes``, ``seconds_per_row``), "
+        "None while it measures (a probe call, then three calls per candidate) or without a budget.",
     )
     scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
     last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")

@@ -1,9 +1,10 @@
 """Which submodules are a model's blocks, and which ones a list of names, patterns or classes picks.
 
-A *block* is a unit of a model that activation checkpointing covers whole: the model's children, with
-containers (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``) opened, so nanoGPT's blocks are
-``transformer.wte``, ..., ``transformer.h.0`` ... ``transformer.h.11``, ``transformer.ln_f`` and ``lm_head``,
-and a torchvision ResNet's are ``conv1``, ..., ``layer1.0``, ``layer1.1``, ..., ``fc``.
+A *block* is a unit of a model that activation checkpointing covers whole: the model's children, with the
+containers that are never called themselves (``nn.ModuleList``, ``nn.ModuleDict``) opened, so nanoGPT's
+blocks are ``transformer.wte``, ..., ``transformer.h.0`` ... ``transformer.h.11``, ``transformer.ln_f`` and
+``lm_head``, and a torchvision ResNet's ``conv1``, ..., ``layer1``, ..., ``fc`` (an ``nn.Sequential`` is
+called, so it is one block; a model that is an ``nn.Sequential`` has its children as blocks).
 
 Names are matched against the plain model's ``named_modules()`` (inside DDP or ``torch.compile``): a pattern
 is a dotted name whose parts may hold ``*``, ``?`` and ``[...]`` (``fnmatch``), each part matching one part of
@@ -26,7 +27,7 @@ from speedups._helpers.wrappers import unwrap
 
 __all__ = ["CONTAINERS", "NameSpec", "model_blocks", "pick_modules"]
 
-CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their hooks would never fire
 
 NameSpec = str | type | Sequence[str | type]
 
@@ -91,6 +92,12 @@ def pick_modules(model: nn.Module, names: Any, call: str) -> list[tuple[str, nn.
                 f"{call}: {short(entry)} matches no submodule of {type(root).__name__}. {_hint(entry, root)}"
             )
         for n, m in hits:
+            if isinstance(m, CONTAINERS):
+                raise ValueError(
+                    f"{call}: {short(entry)} picks {n!r}, a {type(m).__name__}, which is never called itself "
+                    f"(its modules are), so nothing would be checkpointed. Name its modules: "
+                    f"{(n + '.*')!r}."
+                )
             picked.setdefault(id(m), (n, m))
     inside = {id(sub) for _, m in picked.values() for sub in m.modules() if sub is not m}
     return [(n, m) for n, m in picked.values() if id(m) not in inside]

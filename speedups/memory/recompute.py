@@ -17,7 +17,7 @@ version counter a forward of the module moved.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -91,21 +91,36 @@ class Recompute:
     def _contexts(
         self,
     ) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
-        return contextlib.nullcontext(), self._recompute()
+        return contextlib.nullcontext(), _Recomputing(self)
 
-    @contextlib.contextmanager
-    def _recompute(self) -> Iterator[None]:
-        """The context of the recompute: the hooks stand aside, written buffers come back as they were."""
+    def enter_recompute(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The recompute starts: the hooks stand aside; returns the written buffers' values, to put back."""
         stats = [b for m in self._norms if m.training for b in _running_stats(m)]
-        kept = [(b, b.detach().clone()) for b in (*stats, *(w for w in self.written if not _among(w, stats)))]
+        written = (w for w in self.written if not _among(w, stats))
         self.recomputing += 1
-        try:
-            yield
-        finally:
-            self.recomputing -= 1
-            with torch.no_grad():
-                for buf, value in kept:
-                    buf.copy_(value)
+        return [(b, b.detach().clone()) for b in (*stats, *written)]
+
+    def exit_recompute(self, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The recompute ended: the hooks act again and the written buffers are as they were before it."""
+        self.recomputing -= 1
+        with torch.no_grad():
+            for buf, value in kept:
+                buf.copy_(value)
+
+
+class _Recomputing:
+    """The context of one module's recomputes (torch's ``context_fn`` second context): entered once per
+    recompute, so once per backward through the module (``retain_graph=True``, a gradient penalty)."""
+
+    def __init__(self, owner: Recompute) -> None:
+        self.owner = owner
+        self.kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self.kept.append(self.owner.enter_recompute())
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner.exit_recompute(self.kept.pop())
 
 
 def _tracks_running_stats(module: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedups._helpers import compat
 from speedups._helpers.wrappers import unwrap
 from speedups.memory.blocks import model_blocks
 from speedups.memory.recompute import ATTR
@@ -89,6 +90,7 @@ class SavedActivations:
         stack = ExitStack()
         for name, block in self.blocks:
             stack.enter_context(self._timed(name, block))
+        compat.leave_to_eager(SavedActivations._pack, _unpack)  # run from autograd: never compiled
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         self._exit = stack
         return self

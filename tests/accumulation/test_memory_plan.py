@@ -126,7 +126,7 @@ def test_a_budget_nothing_fits_raises_before_the_next_call_changes_anything() ->
     (x, y), (x2, y2) = batches(2)
     step(x, y)  # the probe runs and counts
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-    with pytest.raises(SpeedupsError, match=r"memory_budget=64\): nothing fits in 0\.0 MiB: one row"):
+    with pytest.raises(SpeedupsError, match=r"memory_budget=64\): nothing fits in 64 bytes: 1 row\(s\)"):
         step(x2, y2)
     assert step.step == 1 and step.pending == 1
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))  # type: ignore[arg-type]
@@ -150,6 +150,7 @@ def test_a_resumed_step_takes_the_saved_plan_without_new_trials() -> None:
     assert state["plan"] == {
         "micro_batch_size": step.memory_plan.micro_batch_size,  # type: ignore[attr-defined]
         "checkpointed": list(step.memory_plan.checkpointed),  # type: ignore[attr-defined]
+        "budget": plan_of(step).budget_spec,  # type: ignore[attr-defined]
     }
     model2, step2 = build()
     step2.load_state_dict(state)  # type: ignore[attr-defined]
@@ -237,3 +238,25 @@ def test_on_a_gpu_the_plan_measures_the_peak_and_fits_it() -> None:
     torch.cuda.reset_peak_memory_stats()
     step(x, y)
     assert torch.cuda.max_memory_allocated() - base <= budget
+
+
+def test_a_state_saved_under_another_budget_plans_anew() -> None:
+    def make(budget: int) -> tuple[nn.Module, object]:
+        model = Blocks(depth=4, width=32)  # a fresh process's model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = accumulate(1, opt, memory_budget=budget, model=model)(
+            lambda x, y: nn.functional.mse_loss(model(x), y)
+        )
+        return model, step
+
+    budget = model_bytes(Blocks(depth=4, width=32)) // 2
+    _, step = make(budget)
+    for x, y in batches(14):
+        step(x, y)  # type: ignore[operator]
+    state = step.state_dict()  # type: ignore[attr-defined]
+    assert state["plan"]["budget"] == budget and state["plan"]["checkpointed"]
+    model, roomy = make(100 * budget)
+    roomy.load_state_dict(state)  # type: ignore[attr-defined]
+    assert roomy.memory_plan is None and checkpointed(model) == []  # type: ignore[attr-defined]
+    roomy(*batches(1)[0])  # type: ignore[operator]
+    assert roomy.memory_plan == PlanChoice(ROWS, (), None, None)  # type: ignore[attr-defined]

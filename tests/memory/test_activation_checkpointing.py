@@ -90,13 +90,22 @@ def test_patterns_pick_whole_blocks_classes_and_lists() -> None:
     checkpoint_activations(model, ["blocks.[02]", "out"])
     assert checkpointed(model) == ["blocks.0", "blocks.2", "out"]
     uncheckpoint_activations(model)
-    checkpoint_activations(model, ["blocks", "blocks.1.fc1"])  # the outermost only
-    assert checkpointed(model) == ["blocks"]
+    checkpoint_activations(model, ["blocks.1", "blocks.1.fc1"])  # the outermost only
+    assert checkpointed(model) == ["blocks.1"]
     # a second call adds blocks beside those already checkpointed, and repeats are kept as they are
     uncheckpoint_activations(model)
     checkpoint_activations(model, "blocks.0")
     checkpoint_activations(model, ["blocks.0", "blocks.1"])
     assert checkpointed(model) == ["blocks.0", "blocks.1"]
+
+
+def test_a_sequential_is_one_block_inside_a_model_and_opened_as_the_model() -> None:
+    torch.manual_seed(0)
+    inner = nn.ModuleList(nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(2))
+    model = nn.Sequential(nn.Linear(3, 4), nn.ModuleDict({"h": inner}), nn.Linear(4, 1))
+    assert [n for n, _ in model_blocks(model)] == ["0", "1.h.0", "1.h.1", "2"]
+    checkpoint_activations(model, "1.h.*")
+    assert checkpointed(model) == ["1.h.0", "1.h.1"]
 
 
 def test_names_are_the_plain_models_inside_compile_and_dataparallel_wrappers() -> None:
@@ -122,6 +131,10 @@ def test_names_are_the_plain_models_inside_compile_and_dataparallel_wrappers() -
         (3, TypeError, "names must be a submodule name or pattern"),
         ([int], TypeError, "int is not an nn.Module class"),
         ({"blocks.0": 1}, TypeError, "names must be"),
+        # a ModuleList is never called: its hooks would never fire, and nothing would be checkpointed
+        ("blocks", ValueError, r"picks 'blocks', a ModuleList, which is never called.*'blocks\.\*'"),
+        (nn.ModuleList, ValueError, "a ModuleList, which is never called"),
+        ("*", ValueError, "a ModuleList, which is never called"),
     ],
 )
 def test_bad_names_are_refused_before_anything_is_registered(names: object, error: type, match: str) -> None:
@@ -139,8 +152,8 @@ def test_a_checkpoint_inside_or_around_another_is_refused_and_nothing_changes() 
         SpeedupsError, match=r"'blocks\.1\.fc1' lies inside or around 'blocks\.1'.*uncheckpoint"
     ):
         checkpoint_activations(model, ["blocks.0", "blocks.1.fc1"])
-    with pytest.raises(SpeedupsError, match=r"'blocks' lies inside or around 'blocks\.1'"):
-        checkpoint_activations(model, "blocks")
+    with pytest.raises(SpeedupsError, match=r"'' lies inside or around 'blocks\.1'"):
+        checkpoint_activations(model, "")  # the model itself
     assert checkpointed(model) == ["blocks.1"]  # blocks.0 was not registered either
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         checkpoint_activations("model", "x")  # type: ignore[type-var]
@@ -195,3 +208,29 @@ def test_a_forward_that_raises_leaves_no_saved_tensors_hook_behind() -> None:
     with SavedActivations(lin) as counter:
         lin(torch.ones(2, 3)).tanh().sum().backward()
     assert counter.total_bytes > 0 and counter.bytes_by_block[OUTSIDE] > 0
+
+
+@pytest.mark.parametrize("mode", ["retain_graph", "gradient penalty"])
+def test_a_second_backward_through_a_checkpointed_block_recomputes_again(mode: str) -> None:
+    """Each backward through the block recomputes it (a fresh recompute context each time): gradients bit for
+    bit the plain model's and torch.utils.checkpoint's by hand, BatchNorm statistics untouched."""
+
+    def grads(kind: str) -> list[torch.Tensor]:
+        model = Blocks(norm="batch", hand=kind == "hand")
+        if kind == "ours":
+            checkpoint_activations(model, "blocks.*")
+        torch.manual_seed(3)
+        x = torch.randn(8, 3, requires_grad=True)
+        out = model(x).pow(2).sum()
+        if mode == "retain_graph":
+            out.backward(retain_graph=True)
+            out.backward()
+        else:  # a WGAN-GP style penalty: a backward through the gradient's graph
+            (g,) = torch.autograd.grad(out, x, create_graph=True)
+            (out + g.pow(2).sum()).backward()
+        return [p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
+
+    plain, ours = grads("plain"), grads("ours")
+    assert_same(plain, ours)
+    hand = grads("hand")
+    assert_same(hand[: len(list(Blocks().parameters()))], ours[: len(list(Blocks().parameters()))])

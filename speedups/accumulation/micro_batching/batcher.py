@@ -165,9 +165,9 @@ class MicroBatcher:
     def take_plan(self, state: dict[str, Any]) -> None:
         """Resume with the plan a run saved (``MemoryPlan.state_dict()``): its size and blocks, no trials."""
         assert self.plan is not None
-        self.plan.load_state_dict(state)
-        self.size = self.plan.size_for(None)
-        self._planning = False
+        if self.plan.load_state_dict(state):  # made for another budget: this step plans anew
+            self.size = self.plan.size_for(None)
+            self._planning = False
 
     def _split(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], size: int

@@ -93,7 +93,7 @@ class PlanChoice:
 
     def __str__(self) -> str:
         blocks = ", ".join(self.checkpointed) if self.checkpointed else "no block"
-        measured = "" if self.bytes is None else f", {self.bytes / 2**20:.1f} MiB"
+        measured = "" if self.bytes is None else f", {_size(self.bytes)}"
         timed = "" if self.seconds_per_row is None else f", {self.seconds_per_row * 1e3:.3f} ms/row"
         return f"micro_batch_size={self.micro_batch_size}, checkpointing {blocks}{measured}{timed}"
 
@@ -285,11 +285,13 @@ class MemoryPlan:
             if not chosen:
                 break  # smaller micro-batches with nothing to checkpoint only run slower
         if not candidates:
-            smallest = max(probe.per_row - sum(s for _, s, _ in probe.savings), 0.0)
+            rows = sizes[-1]
+            smallest = max(probe.per_row - sum(s for _, s, _ in probe.savings), 0.0) * rows
             raise SpeedupsError(
-                f"accumulate(..., memory_budget={self.budget_spec!r}): nothing fits in {_mib(budget or 0)}: "
-                f"one row with every block checkpointed keeps about {_mib(int(smallest))}. Give a larger "
-                f"memory_budget, or a smaller model."
+                f"accumulate(..., memory_budget={self.budget_spec!r}): nothing fits in "
+                f"{_size(budget or 0)}: {rows} row(s) per micro-batch with every block checkpointed keep "
+                f"about {_size(int(smallest))}. Give a larger memory_budget"
+                + (", or a smaller micro_batch_size." if self.fixed_size else ", or a smaller model.")
             )
         if len(candidates) == 1:
             self._finish(candidates[0])
@@ -317,7 +319,7 @@ class MemoryPlan:
                 return
             warnings.warn(
                 f"accumulate(..., memory_budget={self.budget_spec!r}): no micro-batch size and set of "
-                f"checkpointed blocks tried fits {_mib(self._budget or 0)}; the run goes on with the "
+                f"checkpointed blocks tried fits {_size(self._budget or 0)}; the run goes on with the "
                 f"smallest ({least}). Give a larger memory_budget.",
                 SpeedupsWarning,
                 stacklevel=5,
@@ -345,12 +347,14 @@ class MemoryPlan:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any] | None:
-        """The choice, to resume with (None while planning: a resumed run plans again)."""
+        """The choice and the budget it was made for, to resume with (None while planning: a resumed run
+        plans again)."""
         if self.choice is None:
             return None
         return {
             "micro_batch_size": self.choice.micro_batch_size,
             "checkpointed": list(self.choice.checkpointed),
+            "budget": self.budget_spec,
         }
 
     def check_state(self, state: Any) -> None:
@@ -371,11 +375,13 @@ class MemoryPlan:
         if state["checkpointed"]:
             pick_modules(self.model, list(state["checkpointed"]), f"{call} (the saved memory plan)")
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Take the choice a run saved: its micro-batch size and checkpointed blocks, with no new trials."""
-        if state is None:
-            return
+    def load_state_dict(self, state: dict[str, Any] | None) -> bool:
+        """Take the choice a run saved (its micro-batch size and checkpointed blocks, no new trials) when it
+        was made for this budget; return whether it was taken (another budget: this step plans anew)."""
+        if state is None or state.get("budget", self.budget_spec) != self.budget_spec:
+            return False
         self._finish(PlanChoice(int(state["micro_batch_size"]), tuple(state["checkpointed"])))
+        return True
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -421,5 +427,9 @@ def _agree_sum(values: list[float], device: torch.device) -> list[float]:
     return _agree(values, device, dist.ReduceOp.SUM)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _size(n: float) -> str:
+    """Bytes as a person reads them: ``512 bytes``, ``3.0 KiB``, ``1.5 MiB``, ``2.0 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
