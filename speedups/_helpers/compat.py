@@ -18,6 +18,7 @@ __all__ = [
     "NOT_COMPILING",
     "checkpoint_region",
     "eager_frames",
+    "outside_compile",
     "leave_to_eager",
     "restore_frames",
     "compiled_inner",
@@ -127,37 +128,44 @@ NOT_COMPILING = object()
 """What :func:`eager_frames` returns when ``torch.compile`` cannot be running (dynamo never imported)."""
 
 
-def eager_frames(*own: Callable[..., Any]) -> Any:
+def eager_frames() -> Any:
     """Run the Python frames that follow eagerly, out of ``torch.compile``'s reach, until restored.
 
     A checkpointed block's forward must run as its recompute will (eagerly: torch runs the recompute with
     dynamo off); compiled apart, AOT autograd would save other tensors than the recompute makes and torch's
-    checkpoint raises (pytorch/pytorch#166926). ``own`` are the hook functions calling this, marked for
-    dynamo to leave alone. dynamo's frame callback is swapped with ``torch._C._dynamo.eval_frame
-    .set_eval_frame`` (what ``torch.compiler.disable`` does around a call; no public spelling for a span
-    between two hooks) and its code skips with ``skip_code``. Returns what :func:`restore_frames` puts back.
+    checkpoint raises (pytorch/pytorch#166926). dynamo's frame callback is swapped with ``torch._C._dynamo
+    .eval_frame.set_eval_frame`` (what ``torch.compiler.disable`` does around one call; there is no public
+    spelling for a span between two hooks). Returns what :func:`restore_frames` puts back. Call it only from
+    a function :func:`outside_compile` made.
     """
     if "torch._dynamo" not in sys.modules:
         return NOT_COMPILING  # nothing has been compiled in this process: no frame callback to swap
-    leave_to_eager(*own)
     frames: Any = torch._C._dynamo.eval_frame
     return frames.set_eval_frame(None)
 
 
-def leave_to_eager(*functions: Callable[..., Any]) -> None:
-    """Have ``torch.compile`` never compile a frame of these functions (autograd hooks, module hooks: run
-    from C++ or between compiled regions, each would be compiled as a frame of its own, and recompiled).
+def outside_compile(*methods: Callable[..., Any]) -> list[Callable[..., Any]]:
+    """Module hooks that ``torch.compile`` never traces nor compiles: each runs as written, eagerly.
 
-    dynamo's ``skip_code`` (``torch._dynamo.eval_frame``; ``torch._C._dynamo.eval_frame`` in torch 2.4);
-    ``torch.compiler.disable(fn, recursive=False)`` would do it through a wrapper. A no-op while dynamo was
-    never imported (nothing can be compiled then).
+    Each bound method is wrapped with ``torch.compiler.disable(recursive=False)`` (dynamo then breaks the
+    graph at the hook, silently, instead of tracing into it) and its code is skipped when called as a frame
+    (:func:`leave_to_eager`): what a hook does to dynamo's frame callback (:func:`eager_frames`) lasts past
+    it. Imports dynamo (about a second, once; torch's checkpoint imports it at its first call anyway).
     """
-    if "torch._dynamo" not in sys.modules:
-        return
-    frames: Any = torch._C._dynamo.eval_frame
-    skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
-    for fn in functions:
-        skip(fn.__code__)
+    import torch._dynamo  # loaded here: leave_to_eager needs it
+
+    leave_to_eager(checkpoint_region, eager_frames, restore_frames)  # what the hooks call: frames too
+    wrapped = []
+    for method in methods:
+        function = getattr(method, "__func__", method)
+        leave_to_eager(function)
+
+        def hook(*args: Any, _method: Callable[..., Any] = method) -> Any:
+            return _method(*args)
+
+        leave_to_eager(hook)
+        wrapped.append(torch.compiler.disable(hook, recursive=False))
+    return wrapped
 
 
 def restore_frames(prior: Any) -> None:
@@ -165,3 +173,19 @@ def restore_frames(prior: Any) -> None:
     if prior is not NOT_COMPILING:
         frames: Any = torch._C._dynamo.eval_frame
         frames.set_eval_frame(prior)
+
+
+def leave_to_eager(*functions: Callable[..., Any]) -> None:
+    """Have ``torch.compile`` never compile a frame of these functions (autograd hooks, module hooks: run
+    from C++ or between compiled regions, each would be compiled as a frame of its own, and recompiled).
+
+    dynamo's ``skip_code`` (``torch._dynamo.eval_frame``; ``torch._C._dynamo.eval_frame`` in torch 2.4);
+    ``torch.compiler.disable(fn, recursive=False)`` marks a wrapper's code the same way. A no-op while
+    dynamo was never imported (nothing can be compiled then).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return
+    frames: Any = torch._C._dynamo.eval_frame
+    skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
+    for fn in functions:
+        skip(fn.__code__)

@@ -87,10 +87,10 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
                 f"checkpoint inside another recomputes the same activations twice. Call "
                 f"uncheckpoint_activations(model) first, then checkpoint the blocks you want in one call."
             )
+    _recompile()  # first: a reset also forgets which hook frames dynamo must leave alone
     for name, module in picked:
         if getattr(module, ATTR, None) is None:  # already checkpointed: kept as it is
             setattr(module, ATTR, Recompute(module, name))
-    _recompile()
     return model
 
 

@@ -48,11 +48,12 @@ class Recompute:
         self._norms = [m for m in module.modules() if _tracks_running_stats(m)]
         self._versions: list[list[int]] = []
         self.written: list[torch.Tensor] = []
+        enter, leave = compat.outside_compile(self._enter, self._exit)  # torch.compile runs them as they are
         self._handles = [
-            module.register_forward_pre_hook(self._enter, with_kwargs=True),
+            module.register_forward_pre_hook(enter, with_kwargs=True),
             # First of the forward hooks, as torch's composable checkpoint does: other hooks (FSDP2's) run
             # outside the region.
-            module.register_forward_hook(self._exit, with_kwargs=True, prepend=True, always_call=True),
+            module.register_forward_hook(leave, with_kwargs=True, prepend=True, always_call=True),
         ]
 
     def remove(self) -> None:
@@ -68,7 +69,7 @@ class Recompute:
         if self._buffers:
             self._versions.append([compat.grad_version(b) for b in self._buffers])
         region = compat.checkpoint_region(module, args, kwargs, self._contexts)
-        frames = compat.eager_frames(Recompute._enter, Recompute._exit)  # as the recompute will run
+        frames = compat.eager_frames()  # the forward runs as the recompute will: eagerly
         next(region)
         self._regions.append((region, frames))
 
