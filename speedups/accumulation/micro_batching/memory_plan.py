@@ -135,7 +135,7 @@ class MemoryPlan:
         self.tried: list[PlanChoice] = []
         self._budget: int | None = None
         self._probe: _Probe | None = None
-        self._queue: list[PlanChoice] = []  # candidates still to try, each for two calls
+        self._queue: list[PlanChoice] = []  # candidates still to try (a counted call, then timed ones)
         self._current: PlanChoice | None = None
         self._calls_on_current = 0
         self._counter: SavedActivations | None = None
