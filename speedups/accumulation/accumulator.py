@@ -695,14 +695,14 @@ class Accumulator:
             "in_epoch": bool(self.in_epoch and self.pending),  # the open window belongs to a running epoch()
             "log": [(x.clone(), n.clone() if isinstance(n, torch.Tensor) else n) for x, n in self.window_log],
             "feed": self.feed,
-            "plan": None if self.micro is None or self.micro.plan is None else self.micro.plan.state_dict(),
+            "plan": None if self.micro is None else self.micro.plan_state(),
         }
 
     def check_state(self, state: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state`` (ValueError), changing nothing."""
         check_state(state, self.every, self.trainable(), tuple(mode.value for mode in _Mode))
-        if state.get("plan") is not None and self.micro is not None and self.micro.plan is not None:
-            self.micro.plan.check_state(state["plan"])
+        if self.micro is not None:
+            self.micro.check_plan(state.get("plan"))
         scaler = state.get("scaler")
         is_scaler_state = isinstance(scaler, dict) and {"scale", "_growth_tracker"} <= set(scaler)
         if scaler is not None and not is_scaler_state:
@@ -735,8 +735,8 @@ class Accumulator:
         self.resumed_in_epoch = bool(state.get("in_epoch", False)) and self.pending > 0
         self.window_log = list(state.get("log", []))
         self.feed = state.get("feed")
-        if state.get("plan") is not None and self.micro is not None and self.micro.plan is not None:
-            self.micro.take_plan(state["plan"])
+        if self.micro is not None:
+            self.micro.take_plan(state.get("plan"))
         self.sentinel = None
         self.noted_grad, self.noted_version = None, -1
         (OWNERSHIP.opened if self.pending else OWNERSHIP.closed)(self)

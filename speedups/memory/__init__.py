@@ -3,6 +3,7 @@
 from speedups.memory.activation_checkpointing import (
     checkpoint_activations,
     checkpointed,
+    checkpointed_modules,
     uncheckpoint_activations,
 )
 from speedups.memory.batch_search import AccumulationPlan, accumulation_plan, find_batch_size
@@ -13,6 +14,7 @@ __all__ = [
     "accumulation_plan",
     "checkpoint_activations",
     "checkpointed",
+    "checkpointed_modules",
     "find_batch_size",
     "model_blocks",
     "uncheckpoint_activations",

@@ -18,10 +18,10 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.memory.blocks import NameSpec, pick_modules
+from speedups.memory.blocks import NameSpec, overlaps, pick_modules
 from speedups.memory.recompute import ATTR, Recompute
 
-__all__ = ["checkpoint_activations", "checkpointed", "uncheckpoint_activations"]
+__all__ = ["checkpoint_activations", "checkpointed", "checkpointed_modules", "uncheckpoint_activations"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -78,9 +78,9 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
     picked = pick_modules(model, names, call)
     if not enabled:
         return model
-    done = [(n, m) for n, m in unwrap(model).named_modules() if getattr(m, ATTR, None) is not None]
+    done = checkpointed_modules(model)
     for name, module in picked:
-        clash = next((n for n, m in done if _contains(m, module) or _contains(module, m)), None)
+        clash = next((n for n, m in done if overlaps(m, module)), None)
         if clash is not None:
             raise SpeedupsError(
                 f"{call}: {name!r} lies inside or around {clash!r}, which is already checkpointed; a "
@@ -103,10 +103,6 @@ def _recompile() -> None:
     """
     if "torch._dynamo" in sys.modules:
         torch.compiler.reset()
-
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return outer is not inner and any(sub is inner for sub in outer.modules())
 
 
 def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
@@ -143,4 +139,9 @@ def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
 
 def checkpointed(model: nn.Module) -> list[str]:
     """The dotted names of ``model``'s checkpointed blocks in ``named_modules()`` order."""
-    return [n for n, m in unwrap(model).named_modules() if getattr(m, ATTR, None) is not None]
+    return [name for name, _ in checkpointed_modules(model)]
+
+
+def checkpointed_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model``'s checkpointed blocks as ``(dotted name, module)``, in ``named_modules()`` order."""
+    return [(n, m) for n, m in unwrap(model).named_modules() if getattr(m, ATTR, None) is not None]

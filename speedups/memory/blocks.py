@@ -25,7 +25,7 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 
-__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "pick_modules"]
+__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "overlaps", "pick_modules"]
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their hooks would never fire
 
@@ -49,6 +49,11 @@ def _open_containers(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.M
             yield from _open_containers(full + ".", child)
         else:
             yield full, child
+
+
+def overlaps(a: nn.Module, b: nn.Module) -> bool:
+    """Whether one of two distinct modules lies inside the other: a checkpoint there would be nested."""
+    return a is not b and (any(m is b for m in a.modules()) or any(m is a for m in b.modules()))
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -100,10 +100,6 @@ class SavedActivations:
             self._exit.close()
             self._exit = None
 
-    def freed(self) -> int:
-        """Bytes counted whose tensors autograd has let go of since (``total_bytes`` minus those held)."""
-        return self.total_bytes - self._held
-
     # ------------------------------------------------------------------------------------------- hooks
     @contextmanager
     def _timed(self, name: str, block: nn.Module) -> Iterator[None]:

@@ -162,10 +162,19 @@ class MicroBatcher:
         self.plan = plan  # with memory_budget=: chooses the size and the checkpointed blocks
         self._planning = plan is not None  # until the plan's choice is taken
 
-    def take_plan(self, state: dict[str, Any]) -> None:
-        """Resume with the plan a run saved (``MemoryPlan.state_dict()``): its size and blocks, no trials."""
-        assert self.plan is not None
-        if self.plan.load_state_dict(state):  # made for another budget: this step plans anew
+    def plan_state(self) -> dict[str, Any] | None:
+        """The memory plan's choice, to save with the step (None: no plan, or it still measures)."""
+        return None if self.plan is None else self.plan.state_dict()
+
+    def check_plan(self, state: Any) -> None:
+        """Raise ``ValueError`` if a saved plan (:meth:`plan_state`; None: none saved) does not fit here."""
+        if state is not None and self.plan is not None:
+            self.plan.check_state(state)
+
+    def take_plan(self, state: dict[str, Any] | None) -> None:
+        """Resume with the plan a run saved (:meth:`plan_state`): its size and blocks, no trials; a plan made
+        for another budget is not taken (this step plans anew)."""
+        if state is not None and self.plan is not None and self.plan.load_state_dict(state):
             self.size = self.plan.size_for(None)
             self._planning = False
 

@@ -38,8 +38,8 @@ from torch import nn
 from speedups._helpers import env
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError, SpeedupsWarning
-from speedups.memory import checkpoint_activations, checkpointed, uncheckpoint_activations
-from speedups.memory.blocks import pick_modules
+from speedups.memory import checkpoint_activations, checkpointed_modules, uncheckpoint_activations
+from speedups.memory.blocks import overlaps, pick_modules
 from speedups.memory.saved_activations import SavedActivations
 
 __all__ = ["MemoryPlan", "PlanChoice", "budget_bytes", "check_memory_budget"]
@@ -249,11 +249,12 @@ class MemoryPlan:
 
     def _measure_probe(self, counter: SavedActivations, rows: int, size: int) -> _Probe:
         size = min(size, rows)
-        user = checkpointed(self.model)  # the plan has checkpointed nothing yet: these are the user's
+        # The plan has checkpointed nothing yet: these are the user's, left as they are, with what they hold.
+        user = [m for _, m in checkpointed_modules(self.model)]
         blocks = [
             (name, counter.bytes_by_block[name] - counter.input_bytes[name], counter.seconds_by_block[name])
-            for name, _ in counter.blocks
-            if name and not _touches(name, user)
+            for name, block in counter.blocks
+            if name and not any(block is m or overlaps(block, m) for m in user)
         ]
         stats = [self._bytes_of(counter) / size] + [max(b, 0) / rows for _, b, _ in blocks]
         stats += [s / rows for _, _, s in blocks]
@@ -314,16 +315,14 @@ class MemoryPlan:
         fitting = [c for c in self.tried if c.seconds_per_row is not None]
         if not fitting:
             least = min(self.tried, key=lambda c: c.bytes or 0)
-            if env.rank() != 0:
-                self._finish(least)
-                return
-            warnings.warn(
-                f"accumulate(..., memory_budget={self.budget_spec!r}): no micro-batch size and set of "
-                f"checkpointed blocks tried fits {_size(self._budget or 0)}; the run goes on with the "
-                f"smallest ({least}). Give a larger memory_budget.",
-                SpeedupsWarning,
-                stacklevel=5,
-            )
+            if env.rank() == 0:
+                warnings.warn(
+                    f"accumulate(..., memory_budget={self.budget_spec!r}): no micro-batch size and set of "
+                    f"checkpointed blocks tried fits {_size(self._budget or 0)}; the run goes on with the "
+                    f"smallest ({least}). Give a larger memory_budget.",
+                    SpeedupsWarning,
+                    stacklevel=5,
+                )
             self._finish(least)
             return
         times = [c.seconds_per_row or 0.0 for c in fitting]
@@ -390,11 +389,6 @@ def _halvings(rows: int) -> list[int]:
     while sizes[-1] > 1:
         sizes.append(math.ceil(sizes[-1] / 2))
     return sizes
-
-
-def _touches(block: str, done: list[str]) -> bool:
-    """Whether block ``block`` is, lies inside or holds a module the user checkpointed (``done``)."""
-    return any(d == block or d.startswith(block + ".") or block.startswith(d + ".") for d in done)
 
 
 def _device_of(model: nn.Module) -> torch.device:
