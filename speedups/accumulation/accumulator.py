@@ -115,7 +115,7 @@ class Accumulator:
         self.updating = False  # True while this step runs its own optimizer update
         self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see .zero_items)
         self.host_items = False  # this rank's open window counted items > 0 given as Python numbers
-        self.warned_hand_step = False
+        self.warned: set[str] = set()  # what this step has warned about (each once; see _warn_once)
         self.micro = micro  # None: every call is one micro-step
         self.in_epoch = False  # True while an epoch() pass runs: a window then belongs to that pass
         self.closes_epoch = False  # the current call is the last of a sized epoch() pass (FSDP2 syncs it)
@@ -128,7 +128,6 @@ class Accumulator:
         self.window_log: list[tuple[torch.Tensor, Any]] = []  # per call (loss or loss * items, items)
         self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping of the last update
         self.sentinel: torch.Tensor | None = None  # a parameter with a gradient in the open window
-        self.warned_zero_grad = False
         self.feed: dict[str, int] | None = None  # the layout of the DistributedLoader epoch() iterates
         # The optimizers' parameters (and in the norm's order), made again only when a param group is added.
         self._params: tuple[list[tuple[int, int]], list[torch.Tensor], list[torch.Tensor], set[int]] = (
@@ -137,11 +136,7 @@ class Accumulator:
             [],
             set(),
         )
-        self.warned_strays = False
-        self.warned_inner_backward = False
         self.clean_start = True  # the open window started with no gradient (see _drop_strays)
-        self.warned_changed = False
-        self.warned_joined = False
         self.noted_grad: torch.Tensor | None = None  # the sentinel's gradient after the step's last call
         self.noted_version = -1  # ... and its version counter (see _note_grad)
         self.watch_grads = sync.kind is not SyncKind.FSDP2  # FSDP2 holds the window's gradients itself
@@ -828,32 +823,30 @@ class Accumulator:
             strays = [p for p in strays if id(p) not in shared]
         for p in strays:
             p.grad = None
-        if not strays or OWNERSHIP.calls != self.calls_seen or self.warned_strays:
+        if not strays or OWNERSHIP.calls != self.calls_seen:
             return
-        self.warned_strays = True
-        warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
+        self._warn_once(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
+            "strays",
             f"accumulate: the window starting at micro-step {self.step + 1} found gradients on "
             f"{len(strays)} of the step's parameters that no step made: a `loss.backward()` outside the "
             f"step, or `zero_grad(set_to_none=False)`, left them. They were dropped, as "
             f"`optimizer.zero_grad()` at the top of a hand-written loop drops them. Fix: return every "
             f"loss from the step (`return main + aux`), and remove backward() and zero_grad() calls from "
             f"the loop.",
-            SpeedupsWarning,
             stacklevel=3,
         )
 
     def _warn_joined(self, joined: list[torch.Tensor]) -> None:
         """Warn once: parameters joined the optimizers mid-window with gradients earlier calls left."""
-        if not joined or self.warned_joined:
+        if not joined:
             return
-        self.warned_joined = True
-        warnings.warn(  # stacklevel 4: here, _parameters, _call (or __call__), the caller of the step
+        self._warn_once(  # stacklevel 4: here, _parameters, _call (or __call__), the caller of the step
+            "joined",
             f"accumulate: {len(joined)} parameters joined the step's optimizers in the middle of a window "
             f"(after micro-step {self.step}, {self.pending} of {self.every} accumulated) with gradients "
             f"already on them: what every backward since they were last zeroed left, possibly more than "
             f"this window, counts in this update. Fix: add parameters at a boundary (`if "
             f"train_step.pending == 0:`), or keep them at requires_grad=False until they join.",
-            SpeedupsWarning,
             stacklevel=4,
         )
 
@@ -869,12 +862,6 @@ class Accumulator:
     def _warn_changed(self, *, inside: bool) -> None:
         """Warn once: the open window's gradients changed outside the step's own backward."""
         self._note_grad()
-        if self.warned_inner_backward if inside else self.warned_changed:
-            return
-        if inside:
-            self.warned_inner_backward = True
-        else:
-            self.warned_changed = True
         if inside:
             what = (
                 f"a backward() ran inside the step (micro-step {self.step + 1}) and added to the open "
@@ -889,9 +876,9 @@ class Accumulator:
                 f"1/{self.every}), or `zero_grad(set_to_none=False)` zeroed them"
             )
             fix = "return every loss from the step, and remove backward() and zero_grad() calls from the loop"
-        warnings.warn(  # stacklevel: here, the check, __call__ or _call, ..., the caller of the step
+        self._warn_once(  # stacklevel: here, the check, __call__ or _call, ..., the caller of the step
+            "inner backward" if inside else "changed",
             f"accumulate: {what}, so the update is not the big batch's. Fix: {fix}.",
-            SpeedupsWarning,
             stacklevel=4 if inside else 3,
         )
 
@@ -904,7 +891,7 @@ class Accumulator:
         at the previous window's sentinel (one parameter, reached by every backward through the model the
         step trains); the first window, at every parameter.
         """
-        if self.warned_inner_backward or not self.clean_start:
+        if "inner backward" in self.warned or not self.clean_start:
             return False
         if self.every == 1 and self.scaler is None and self.mode is not _ITEMS:
             return False  # weighted 1 and unscaled is what the step's own backward does here: exact
@@ -916,33 +903,39 @@ class Accumulator:
 
     def _warn_zero_grad(self) -> None:
         """Warn once: the open window's gradients were set to None by someone else (a zero_grad by hand)."""
-        if self.warned_zero_grad:
-            return
-        self.warned_zero_grad = True
-        warnings.warn(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
+        self._warn_once(  # stacklevel 3: here, __call__ (wrapt's wrapper is C), the caller of the step
+            "zero_grad",
             f"accumulate: the gradients of the open accumulation window ({self.pending} of {self.every} "
             f"micro-steps) were set to None between the previous call of the step and this one (micro-step "
             f"{self.step + 1}): `optimizer.zero_grad()` or `model.zero_grad()` is still in the loop, so the "
             f"window lost what it had accumulated. Fix: remove the zero_grad() call; @accumulate zeroes "
             f"the gradients after each optimizer step.",
-            SpeedupsWarning,
             stacklevel=3,
         )
 
     def warn_hand_step(self) -> None:
         """Warn once that the optimizer was stepped by hand while a window is open (not by this step)."""
-        if self.updating or not self.pending or self.warned_hand_step:
+        if self.updating or not self.pending:
             return
-        self.warned_hand_step = True
-        warnings.warn(  # stacklevel 4: here, the hook, torch's step wrapper, the caller of optimizer.step()
+        self._warn_once(  # stacklevel 4: here, the hook, torch's step wrapper, the caller of optimizer.step()
+            "hand step",
             f"accumulate: optimizer.step() was called by hand on an optimizer that @accumulate steps "
             f"(after micro-step {self.step}, {self.pending} of {self.every} of the window accumulated), "
             f"so it steps on micro-steps that should only accumulate. Fix: remove the `optimizer.step()` "
             f"(and `optimizer.zero_grad()`) from the loop; @accumulate steps once every {self.every} "
             f"calls and `train_step.flush()` applies a short last window.",
-            SpeedupsWarning,
             stacklevel=4,
         )
+
+    def _warn_once(self, key: str, message: str, *, stacklevel: int) -> None:
+        """Warn ``message`` (a ``SpeedupsWarning``) the first time this step warns about ``key``.
+
+        ``stacklevel`` counts as ``warnings.warn`` would from the caller (this frame is added here).
+        """
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        warnings.warn(message, SpeedupsWarning, stacklevel=stacklevel + 1)
 
 
 def _takes_one_argument(fn: Callable[..., Any]) -> bool:
