@@ -60,6 +60,22 @@ def flag(value: object, name: str) -> bool:
     return value
 
 
+def integer_or_auto(value: object, call: str, *, expected: str, unit: str, fix: str) -> None:
+    """Check an option that is an int >= 1 (in ``unit``) or ``"auto"``; None is the caller's to handle.
+
+    Raises:
+        ValueError: another string, or an int < 1. TypeError: any other type (a bool too), said as
+            ``expected {expected}``. Each message starts with ``call`` and ends with ``fix``.
+    """
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"{call}: the only string allowed is 'auto'. {fix}")
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{call}: expected {expected}, got {type(value).__name__}. {fix}")
+    elif value < 1:
+        raise ValueError(f"{call}: must be >= 1 ({unit}). {fix}")
+
+
 def integer(
     value: Any,
     name: str,

@@ -121,7 +121,7 @@ def accumulate(
         max_grad_value=max_grad_value,
     )  # fmt: skip
     check_micro_batching(micro_batch_size, split, every)
-    check_memory_budget(memory_budget, micro_batch_size, model, every)
+    check_memory_budget(memory_budget, model, every)
     if memory_budget is not None and micro_batch_size is None:
         micro_batch_size = AUTO
 

@@ -33,7 +33,7 @@ import torch
 
 from speedups._helpers.oom import is_out_of_memory
 from speedups._helpers.tree import tree_map
-from speedups._helpers.validate import short
+from speedups._helpers.validate import integer_or_auto, short
 from speedups.accumulation.micro_batching.memory_plan import MemoryPlan
 from speedups.accumulation.micro_batching.splitting import Piece, Split, custom_split, split_call
 from speedups.accumulation.output import merge_extras
@@ -97,15 +97,8 @@ def check_micro_batching(micro_batch_size: Any, split: Any, every: int) -> None:
                 f"micro_batch_size=. {fix}"
             )
         return
-    if isinstance(micro_batch_size, str):
-        if micro_batch_size != AUTO:
-            raise ValueError(f"{call}: the only string allowed is 'auto'. {fix}")
-    elif isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise TypeError(
-            f"{call}: expected an int >= 1, 'auto' or None, got {type(micro_batch_size).__name__}. {fix}"
-        )
-    elif micro_batch_size < 1:
-        raise ValueError(f"{call}: must be >= 1 (rows per micro-batch). {fix}")
+    expected = "an int >= 1, 'auto' or None"
+    integer_or_auto(micro_batch_size, call, expected=expected, unit="rows per micro-batch", fix=fix)
     if split is not None and not callable(split):
         raise TypeError(
             f"{call}: split={short(split)} is not callable. Pass a function "

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from speedups._helpers import env
+from speedups._helpers.validate import integer_or_auto
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.memory import checkpoint_activations, checkpointed_modules, uncheckpoint_activations
@@ -45,7 +46,7 @@ from speedups.memory.saved_activations import SavedActivations
 __all__ = ["MemoryPlan", "PlanChoice", "budget_bytes", "check_memory_budget"]
 
 
-def check_memory_budget(budget: Any, micro_batch_size: Any, model: Any, every: int) -> None:
+def check_memory_budget(budget: Any, model: Any, every: int) -> None:
     """Check ``memory_budget=`` of ``accumulate(every, ...)`` (None: no plan).
 
     Raises:
@@ -56,15 +57,7 @@ def check_memory_budget(budget: Any, micro_batch_size: Any, model: Any, every: i
         return
     call = f"accumulate({every}, optimizer, memory_budget={budget!r}, ...)"
     fix = 'Write memory_budget=8 * 2**30 (bytes) or memory_budget="auto", with model=model.'
-    if isinstance(budget, str):
-        if budget != "auto":
-            raise ValueError(f"{call}: the only string allowed is 'auto'. {fix}")
-    elif isinstance(budget, bool) or not isinstance(budget, int):
-        raise TypeError(
-            f"{call}: expected an int of bytes >= 1 or 'auto', got {type(budget).__name__}. {fix}"
-        )
-    elif budget < 1:
-        raise ValueError(f"{call}: must be >= 1 (bytes). {fix}")
+    integer_or_auto(budget, call, expected="an int of bytes >= 1 or 'auto'", unit="bytes", fix=fix)
     if model is None:
         raise ValueError(
             f"{call}: the plan checkpoints blocks of the model, so it needs model=. Write "
