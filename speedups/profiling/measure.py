@@ -1,5 +1,5 @@
 """What the profiler measures besides wall time: the batch size, peak memory, and on a *sampled* step the
-host-device syncs, CPU bf16 matrix work and CUDA cache frees.
+host-device syncs, CPU bf16 matrix work, CUDA cache frees and the GPU's busy time.
 
 :meth:`Sampling.begin` enters the counters when a sampled step starts; :meth:`Sampling.end` leaves them, in
 the reverse order, and returns what they counted. Unsampled steps enter nothing and pay nothing.
@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from speedups._helpers.tree import tree_map
+from speedups.profiling.kernel_timer import KernelTimer
 
 __all__ = [
     "Counts",
@@ -97,17 +98,25 @@ def _on_cpu(out: Any) -> bool:
     return not isinstance(out, torch.Tensor) or out.device.type == "cpu"
 
 
+# What CUDA's sync debug mode warns on each sync (c10/cuda/CUDAFunctions.cpp). Its one-off notice that the
+# mode "does not yet detect all synchronizing operations" is not a sync and must not count as one.
+_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 @dataclass(slots=True)
 class _CudaSyncCount:
-    """On a sampled GPU step: CUDA's sync debug mode warns on every sync inside torch, caught here.
+    """On a sampled GPU step: CUDA's sync debug mode warns on every sync inside torch, caught here, and the
+    GPU's activity is traced for its busy time.
 
-    ``previous_mode`` is the sync debug mode to restore; ``frees_before`` the driver frees so far.
+    ``previous_mode`` is the sync debug mode to restore; ``frees_before`` the driver frees so far;
+    ``kernels`` the busy-time tracer (None where it cannot run).
     """
 
     catcher: warnings.catch_warnings
     caught: list[warnings.WarningMessage] | None
     previous_mode: int
     frees_before: int
+    kernels: KernelTimer | None
 
 
 @dataclass(slots=True)
@@ -118,6 +127,7 @@ class Counts:
     cpu_bf16_matmuls: int
     cache_frees: int | None
     loss_refs: list[weakref.ref[torch.Tensor]] | None
+    kernel_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -133,12 +143,13 @@ class Sampling:
         cuda = None
         if on_gpu:
             frees_before = _device_frees()
+            kernels = KernelTimer.start()
             previous_mode = torch.cuda.get_sync_debug_mode()
             catcher = warnings.catch_warnings(record=True)
             caught = catcher.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-            cuda = _CudaSyncCount(catcher, caught, previous_mode, frees_before)
+            cuda = _CudaSyncCount(catcher, caught, previous_mode, frees_before, kernels)
         counter = SampleMode([] if keep_losses else None)
         counter.__enter__()
         return cls(counter, cuda)
@@ -147,14 +158,15 @@ class Sampling:
         """Leave the counters in the reverse order of entry; return what they counted."""
         counter, cuda = self.counter, self.cuda
         counter.__exit__(None, None, None)
-        syncs, cache_frees = counter.syncs, None
+        syncs, cache_frees, kernel_s = counter.syncs, None, None
         if cuda is not None:
             torch.cuda.set_sync_debug_mode(cuda.previous_mode)
             cuda.catcher.__exit__(None, None, None)
             # the sync debug mode also sees syncs inside torch (nonzero, masked indexing, ...)
-            syncs = max(syncs, sum("synchronizing" in str(w.message) for w in cuda.caught or ()))
+            syncs = max(syncs, sum(_SYNC_WARNING in str(w.message) for w in cuda.caught or ()))
             cache_frees = _device_frees() - cuda.frees_before
-        return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs)
+            kernel_s = cuda.kernels.stop() if cuda.kernels is not None else None
+        return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs, kernel_s)
 
 
 def gpus_in_use() -> list[int]:

@@ -81,7 +81,11 @@ class StepRecord:
         cache_frees: CUDA memory blocks returned to the driver during a sampled step.
         cpu_bf16_matmuls: bf16 matrix ops seen on the CPU during a sampled step.
         syncs: host-device syncs counted on a sampled step (``.item()``, ``float(t)``, ``.tolist()``, ...).
-        device_s: GPU time of the step from CUDA events, filled in when the report is made.
+        device_s: the step's span on the GPU from CUDA events (idle gaps included), filled in when the
+            report is made.
+        kernel_s: on a sampled GPU step, the seconds the busiest GPU ran kernels, copies and memsets
+            (``torch.profiler``'s CUDA activity, overlaps counted once); None elsewhere or if it could not
+            be traced. The summary's ``device_busy_fraction`` is their mean over the mean step time.
     """
 
     data_s: float
@@ -92,6 +96,7 @@ class StepRecord:
     device_s: float | None = None
     cache_frees: int | None = None
     cpu_bf16_matmuls: int = 0
+    kernel_s: float | None = None
     claimed_s: float | None = field(default=None, repr=False)  # time in decorated calls within the step
     _events: _StepEvents | None = field(default=None, repr=False)
 
@@ -133,7 +138,8 @@ class StepProfiler:
     then as rarely as keeps their extra cost under 1% of the run (or every ``sample_every``-th step when
     given). On a sampled step a ``TorchFunctionMode`` counts the calls that read a tensor into Python
     (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``, ``print(t)``, copies to the CPU), and on a GPU
-    CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode``) also counts the syncs inside torch. A sampled
+    CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode``) also counts the syncs inside torch, and
+    ``torch.profiler`` traces the GPU's kernels for its busy time (not over a profiler of yours). A sampled
     step runs slower, so its time is left out of the means. ``benchmarks/profiling.py`` measures the whole
     cost against the plain loop.
     """
@@ -326,6 +332,7 @@ class StepProfiler:
             counts = sampling.end()
             record.syncs, record.cpu_bf16_matmuls = counts.syncs, counts.cpu_bf16_matmuls
             record.cache_frees, loss_refs = counts.cache_frees, counts.loss_refs
+            record.kernel_s = counts.kernel_s
         if self._mistakes is not None:
             self._mistakes.step_ended(loss_refs)
 
@@ -371,6 +378,7 @@ class StepProfiler:
         sampled = [r for r in self.steps if r.syncs is not None]
         sizes = [r.samples for r in timed if r.samples is not None]
         device_times = [r.device_s for r in timed if r.device_s is not None]
+        busy = [r.kernel_s for r in self.steps[self.warmup :] if r.kernel_s is not None]
         frees = [r.cache_frees for r in self.steps if r.cache_frees is not None]
         return Summary(
             steps=len(self.steps),
@@ -386,7 +394,7 @@ class StepProfiler:
             samples_per_s=(statistics.fmean(sizes) / total) if sizes and total > 0 else None,
             mean_batch=statistics.fmean(sizes) if sizes else None,
             device_type="cuda" if device_times else "cpu",
-            device_busy_fraction=(statistics.fmean(device_times) / total) if device_times and total else None,
+            device_busy_fraction=min(statistics.fmean(busy) / total, 1.0) if busy and total else None,
             cache_frees_per_step=statistics.fmean(frees) if frees else None,
             cpu_bf16_matmuls=sum(r.cpu_bf16_matmuls for r in self.steps),
             native_cpu_bf16=cpu_has_native_bf16(),

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+import types
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +13,7 @@ from torch.overrides import has_torch_function
 from torch.utils.data import DataLoader
 
 from speedups import SpeedupsError, profile_steps
+from speedups.profiling.kernel_timer import busy_seconds
 from tests._profiling_loops import SlowDataset, busy_step
 
 
@@ -82,6 +87,28 @@ def test_sync_counting_on_gpu_uses_sync_debug_mode() -> None:
             model(x).sum().item()
     assert prof.summary().syncs_per_step >= 1
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+@pytest.mark.cuda
+def test_gpu_busy_time_is_the_kernels_time_not_the_steps_span() -> None:
+    """A step of large matrix products keeps the GPU busy; a step of Python work around one tiny kernel
+    leaves it idle, though CUDA events around either step span the whole step."""
+    big = torch.randn(8192, 8192, device="cuda")
+    with profile_steps(sample_every=2) as heavy:
+        for _ in heavy.iter(range(7)):
+            for _ in range(4):
+                big = (big @ big).tanh_()
+    small = torch.randn(4, 4, device="cuda")
+    with profile_steps(sample_every=2) as idle:
+        for _ in idle.iter(range(7)):
+            (small @ small).sum()
+            end = time.perf_counter() + 0.005
+            while time.perf_counter() < end:  # 5 ms of host work, the GPU waiting
+                pass
+    busy, starved = heavy.summary().device_busy_fraction, idle.summary().device_busy_fraction
+    assert busy is not None and busy > 0.8, busy
+    assert starved is not None and starved < 0.05, starved
+    assert all(r.kernel_s is not None for r in idle.steps if r.sampled)
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -266,6 +293,35 @@ class _FakeCuda:
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
 
+        # the GPU activity torch.profiler traces on a sampled step: cuda:1 busy 0.4 ms of its kernels'
+        # union (two overlap), cuda:0 0.05 ms, a CPU event beside them
+        self.traced = 0
+        cuda_type, cpu_type = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+        kernels = [(cuda_type, 1, 0.0, 200.0), (cuda_type, 1, 100.0, 300.0), (cuda_type, 1, 500.0, 600.0)]
+        kernels += [(cuda_type, 0, 0.0, 50.0), (cpu_type, 0, 0.0, 90000.0)]
+
+        class Profile:
+            def __init__(self, activities: list) -> None:
+                assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+            def start(self) -> None:
+                fake.traced += 1
+
+            def stop(self) -> None:
+                pass
+
+            def events(self) -> list:
+                return [
+                    types.SimpleNamespace(
+                        device_type=kind, device_index=index, time_range=types.SimpleNamespace(start=a, end=b)
+                    )
+                    for kind, index, a, b in kernels
+                ]
+
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        monkeypatch.setattr(torch.profiler, "supported_activities", lambda: set(activities))
+        monkeypatch.setattr(torch.profiler, "profile", Profile)
+
 
 def test_gpu_time_and_memory_come_from_the_gpu_the_model_is_on_not_the_current_one(
     monkeypatch, model
@@ -277,5 +333,53 @@ def test_gpu_time_and_memory_come_from_the_gpu_the_model_is_on_not_the_current_o
     summary = prof.summary()
     assert set(gpu.recorded) == {1}  # events on cuda:1's stream, none on the idle current device
     assert all(r.device_s == pytest.approx(0.007) for r in prof.steps)
-    assert summary.device_busy_fraction == pytest.approx(0.007 / (summary.mean_data_s + summary.mean_step_s))
+    # busy is the kernels' time on the busiest GPU, on the sampled steps only; not the events' span
+    assert [r.kernel_s for r in prof.steps] == [pytest.approx(4e-4), None, pytest.approx(4e-4), None]
+    assert gpu.traced == 2
+    assert summary.device_busy_fraction == pytest.approx(4e-4 / (summary.mean_data_s + summary.mean_step_s))
     assert "300 MiB allocated on cuda:1" in summary.peak_memory and "cuda:0" not in summary.peak_memory
+
+
+def test_a_profiler_of_the_users_is_not_cancelled_and_no_busy_time_is_guessed(monkeypatch, model) -> None:
+    gpu = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for x in prof.iter([torch.randn(16, 8) for _ in range(3)]):
+            busy_step(model, x, ms=1)
+    assert gpu.traced == 0 and all(r.kernel_s is None for r in prof.steps)
+    assert prof.summary().device_busy_fraction is None  # the events' span is not a busy time
+
+
+def test_cuda_sync_count_skips_the_debug_modes_own_notice(monkeypatch, model) -> None:
+    """CUDA's sync debug mode warns once per process that it is a prototype ("does not yet detect all
+    synchronizing operations"): caught in the first sampled step, it is not a sync (it made a GPU loop
+    with one ``.item()`` a step read 1.25 syncs per step)."""
+    _FakeCuda(monkeypatch)
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for i, x in enumerate(prof.iter([torch.randn(16, 8) for _ in range(3)])):
+            if i == 0:
+                warnings.warn(
+                    "Synchronization debug mode is a prototype feature and does not yet detect all "
+                    "synchronizing operations (Triggered internally at Module.cpp:1003.)",
+                    UserWarning,
+                    stacklevel=1,
+                )
+            warnings.warn(
+                "called a synchronizing CUDA operation (Triggered internally)", UserWarning, stacklevel=1
+            )
+            busy_step(model, x, ms=1)
+    assert [r.syncs for r in prof.steps] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("spans", "seconds"),
+    [
+        ([], 0.0),
+        ([(0.0, 10.0)], 10e-6),
+        ([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)], 4e-6),  # unsorted, one overlap
+        ([(0.0, 10.0), (2.0, 3.0), (4.0, 12.0)], 12e-6),  # one inside another
+        ([(0.0, 1.0), (1.0, 2.0)], 2e-6),  # touching
+    ],
+)
+def test_busy_seconds_is_the_union_of_the_kernels(spans, seconds) -> None:
+    assert busy_seconds(spans) == pytest.approx(seconds, abs=1e-12)
