@@ -64,8 +64,8 @@ class KernelTimer:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence torch.profiler's notice that a profiler started once per cycle keeps one cycle's events
-    (torch 2.11 warns it once a process starts a second one): each sampled step is its own cycle on purpose."""
+    """Silence torch.profiler's notice that a profiler keeps one cycle's events (torch 2.11 warns it once a
+    process starts a second profiler): each sampled step is its own cycle on purpose."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         yield
