@@ -127,7 +127,7 @@ class Counts:
     cpu_bf16_matmuls: int
     cache_frees: int | None
     loss_refs: list[weakref.ref[torch.Tensor]] | None
-    kernel_s: float | None = None
+    kernel_s: float | None
 
 
 @dataclass(slots=True)

@@ -378,7 +378,7 @@ class StepProfiler:
         sampled = [r for r in self.steps if r.syncs is not None]
         sizes = [r.samples for r in timed if r.samples is not None]
         device_times = [r.device_s for r in timed if r.device_s is not None]
-        busy = [r.kernel_s for r in self.steps[self.warmup :] if r.kernel_s is not None]
+        busy = [r.kernel_s for r in self.steps if r.kernel_s is not None]  # sampled steps only
         frees = [r.cache_frees for r in self.steps if r.cache_frees is not None]
         return Summary(
             steps=len(self.steps),
