@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,21 +13,32 @@ from torch import nn
 from torch.overrides import has_torch_function
 from torch.utils.data import DataLoader
 
+import speedups.profiling.profiler as profiler_module
 from speedups import SpeedupsError, profile_steps
 from speedups.profiling.kernel_timer import busy_seconds
 from tests._profiling_loops import SlowDataset, busy_step
 
 
-def test_times_add_up_and_batch_sizes_are_read(model) -> None:
-    batches = [torch.randn(16, 8) for _ in range(6)]
+def test_times_add_up_and_batch_sizes_are_read(model, monkeypatch) -> None:
+    # the profiler's clock advanced by hand (1 ms per batch fetched, 3 ms per step): load cannot stretch it,
+    # so each wait and each step is attributed exactly
+    clock = [100.0]
+    monkeypatch.setattr(profiler_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def loader() -> Iterator[torch.Tensor]:
+        for _ in range(6):
+            clock[0] += 0.001
+            yield torch.randn(16, 8)
+
     with profile_steps(warmup=0, sample_every=1000) as prof:
-        for x in prof.iter(batches):
-            busy_step(model, x, ms=3)
+        for x in prof.iter(loader()):
+            model(x).pow(2).mean().backward()
+            clock[0] += 0.003
     assert len(prof.steps) == 6
     assert all(r.samples == 16 for r in prof.steps)
     timed = [r for r in prof.steps if not r.sampled]
-    assert all(0.0029 <= r.step_s < 0.5 for r in timed)
-    assert all(r.data_s < 0.003 for r in timed)
+    assert all(r.step_s == pytest.approx(0.003, abs=1e-9) for r in timed)
+    assert all(r.data_s == pytest.approx(0.001, abs=1e-9) for r in timed)
     s = prof.summary()
     assert s.mean_step_s == pytest.approx(sum(r.step_s for r in timed) / len(timed))
     assert s.samples_per_s == pytest.approx(16 / (s.mean_data_s + s.mean_step_s))
@@ -228,10 +240,15 @@ def test_batch_size_argument_wins_for_plain_iterables_and_the_decorator(model) -
         profile_steps(batch_size=0)
 
 
-def test_report_shows_median_and_p90_beside_the_mean(model) -> None:
+def test_report_shows_median_and_p90_beside_the_mean(model, monkeypatch) -> None:
+    clock = [100.0]  # the profiler's clock advanced by hand: load cannot reorder the steps' times
+    monkeypatch.setattr(profiler_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     with profile_steps(warmup=0, sample_every=1000) as prof:
         for i, x in enumerate(prof.iter([torch.randn(4, 8)] * 12)):
-            busy_step(model, x, ms=8 if i == 11 else 1)  # one slow step: the mean moves, the median not
+            model(x).pow(2).mean().backward()
+            clock[0] += (
+                0.008 if i == 11 else 0.001 + i * 1e-5
+            )  # one slow step: the mean moves, the median not
     s = prof.summary()
     timed = sorted(r.step_s for r in prof.steps if not r.sampled)
     n = len(timed)
