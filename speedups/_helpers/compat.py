@@ -20,6 +20,7 @@ __all__ = [
     "eager_frames",
     "outside_compile",
     "leave_to_eager",
+    "eager_below",
     "restore_frames",
     "compiled_inner",
     "grad_version",
@@ -189,3 +190,21 @@ def leave_to_eager(*functions: Callable[..., Any]) -> None:
     skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
     for fn in functions:
         skip(fn.__code__)
+
+
+def eager_below(*functions: Callable[..., Any]) -> bool:
+    """Have ``torch.compile`` run these functions' frames, and every frame they call, as they are: never
+    traced nor compiled, what ``torch.compiler.disable(fn)`` does around one call, at no cost when nothing is
+    being compiled (dynamo's per-code frame strategy ``(SKIP, SKIP)``, ``torch._C._dynamo.eval_frame``; no
+    public spelling). Needs no import of ``torch._dynamo``. Returns False where this torch has no such
+    strategy (before about 2.6): the caller then checks ``torch.compiler.is_compiling()`` itself.
+    """
+    frames: Any = torch._C._dynamo.eval_frame
+    strategy = getattr(frames, "_FrameExecStrategy", None)
+    action = getattr(frames, "_FrameAction", None)
+    setter = getattr(frames, "set_code_exec_strategy", None)
+    if strategy is None or action is None or setter is None:
+        return False
+    for fn in functions:
+        setter(fn.__code__, strategy(action.SKIP, action.SKIP))
+    return True

@@ -2,7 +2,7 @@
 
 The arguments, once at decoration (through :mod:`speedups._helpers.validate`); the result of the user's
 function (a scalar loss with a ``grad_fn``, maybe with an item count) on every call that leaves the fast path,
-before any gradient is touched; a checkpoint state, entirely, before anything is restored.
+before any gradient is touched. A checkpoint state is checked where it is made (:mod:`.state`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from speedups._helpers import env, validate
+from speedups._helpers.callers import user_stacklevel
 from speedups._helpers.step_context import check_clipping
 from speedups._helpers.validate import short
 from speedups.errors import SpeedupsError, SpeedupsWarning
@@ -25,7 +25,6 @@ __all__ = [
     "check_arguments",
     "check_outer_autocast",
     "check_result",
-    "check_state",
     "refuse_reentry",
     "warn_skipped",
 ]
@@ -219,59 +218,6 @@ def _finite(n: numbers.Real) -> bool:
         return False
 
 
-def check_state(state: Any, every: int, params: Sequence[torch.Tensor], modes: tuple[str, ...]) -> None:
-    """Check a ``train_step.state_dict()`` for a step over ``every`` micro-steps of these ``params``.
-
-    ``modes`` are the weighing modes a state may name (besides None).
-
-    Raises:
-        ValueError: ``state`` is not such a dict, or was made with another window size or model.
-    """
-    call = "accumulate(...).load_state_dict(state)"
-    keys = {"every", "step", "num_updates", "pending", "mode", "total_host", "total_device", "grads"}
-    if not isinstance(state, dict) or not keys <= set(state):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"{call}: expected the dict of train_step.state_dict(), "
-            f"with keys {sorted(keys | {'scaler', 'losses'})}, got {got}."
-        )
-    if state["every"] != every:
-        raise ValueError(
-            f"{call}: the checkpoint accumulated over "
-            f"{state['every']!r} micro-steps, this step over {every}. Decorate with "
-            f"accumulate({state['every']}, ...) to resume it."
-        )
-    for key in ("step", "num_updates", "pending"):
-        value = state[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{call}: state[{key!r}]={value!r}, expected an int >= 0.")
-    if state["pending"] >= every:
-        raise ValueError(f"{call}: state['pending']={state['pending']!r}, expected < every={every}.")
-    if state["mode"] is not None and state["mode"] not in modes:
-        raise ValueError(
-            f"{call}: state['mode']={state['mode']!r}, expected None, {' or '.join(map(repr, modes))}."
-        )
-    if isinstance(state["total_host"], bool) or not isinstance(state["total_host"], (int, float)):
-        raise ValueError(f"{call}: state['total_host']={state['total_host']!r}, expected a number.")
-    if state["total_device"] is not None and not isinstance(state["total_device"], torch.Tensor):
-        raise ValueError(f"{call}: state['total_device'] must be None or a tensor.")
-    grads = state["grads"]
-    if grads is not None:
-        if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
-            got_n = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
-            raise ValueError(
-                f"{call}: the checkpoint holds gradients for {got_n} parameters, the optimizer has "
-                f"{len(params)}. Resume with the same model and optimizer."
-            )
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
-                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-                raise ValueError(
-                    f"{call}: the gradient of parameter {i} has shape {shape}, the parameter "
-                    f"{tuple(p.shape)}. Resume with the same model and optimizer."
-                )
-
-
 def refuse_reentry(step: int, pending: int, every: int) -> None:
     """Raise: the step was called from inside its own call (before anything of the inner call changed).
 
@@ -306,8 +252,9 @@ def check_outer_autocast(device_type: str) -> None:
         )
 
 
-def warn_skipped(step: int, *, empty: bool, stacklevel: int, clipping: bool = False) -> None:
-    """Warn that the window ending at micro-step ``step`` was not applied: it held 0 items, or NaN/inf."""
+def warn_skipped(step: int, *, empty: bool, clipping: bool = False) -> None:
+    """Warn (at the user's line) that the window ending at micro-step ``step`` was not applied: it held 0
+    items, or NaN/inf."""
     if empty:
         why = (
             "holds 0 items (every num_items was 0): there is nothing to learn from it, so the optimizer "
@@ -320,4 +267,4 @@ def warn_skipped(step: int, *, empty: bool, stacklevel: int, clipping: bool = Fa
             + ("." if clipping else " or clip (max_grad_norm=1.0).")
         )
     message = f"accumulate: the window ending at micro-step {step} {why}"
-    warnings.warn(message, SpeedupsWarning, stacklevel=stacklevel)
+    warnings.warn(message, SpeedupsWarning, stacklevel=user_stacklevel())

@@ -9,9 +9,9 @@ hand-written loop drops them with ``netD.zero_grad()`` at the top of each iterat
 - a step whose window is open is protected: while another step runs, the open window's gradients are set
   aside and put back after, so whatever that step's backward left there is dropped;
 - a step whose window is closed holds no gradient; what another step's backward leaves on it is found when
-  its next window starts, and dropped without a word, since another step ran in between (:attr:`calls`).
+  its next window starts, and dropped without a word, since another step ran in between (:attr:`last`).
 
-A one-step script pays nothing here but a counter increment per call.
+A one-step script pays nothing here but one attribute store per call.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ __all__ = ["OWNERSHIP", "Ownership"]
 
 
 class _Owner(Protocol):
+    token: int
+
     def known_params(self) -> list[torch.Tensor]: ...
     def owned_ids(self) -> set[int]: ...
 
@@ -33,15 +35,15 @@ class Ownership:
     """The live steps and those with an open window, held weakly; one per process (:data:`OWNERSHIP`).
 
     Attributes:
-        calls: calls of any step so far (a step compares it with its own count to know whether another
-            step ran since its last call).
+        last: the token of the step whose call ran last (each call of a step stores its token; a step that
+            finds another's there knows another step ran since its own last call), None before any call.
     """
 
     def __init__(self) -> None:
         self._steps: weakref.WeakSet[_Owner] = weakref.WeakSet()
         self._open: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: open windows
         self._foreign: dict[int, list[torch.Tensor]] = {}  # id(step) -> what it sets aside, until changed
-        self.calls = 0
+        self.last: int | None = None
         self.open_count = 0  # steps with an open window (a step that died open: until it is collected)
 
     def add(self, step: _Owner) -> None:

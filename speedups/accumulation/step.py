@@ -30,20 +30,15 @@ class StepOwner(Protocol):
     every: int
     step: int
     is_boundary: bool
-    num_updates: int
     pending: int
-    scaler: torch.amp.GradScaler | None
-    last_step_skipped: bool
-    probe: torch.Tensor | None
     micro: Any
-    last_grad_norm: torch.Tensor | None
+    updater: Any  # the Update: num_updates, scaler, last_step_skipped, probe, last_grad_norm, hooks
 
     def __call__(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any: ...
+    def wraps(self, fn: Callable[..., Any], body: Callable[..., Any]) -> None: ...
     def flush(self) -> None: ...
-    def on_update(self, fn: Callable[[Any], Any]) -> RemovableHandle: ...
-    def before_update(self, fn: Callable[[list[torch.Tensor]], Any]) -> RemovableHandle: ...
     def epoch(self, batches: Iterable[T]) -> Iterator[T]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -56,6 +51,11 @@ def _shown(name: str, doc: str) -> Any:
     return property(lambda self: getattr(self._acc(), name), doc=doc)
 
 
+def _updates(name: str, doc: str) -> Any:
+    """A read-only property showing the attribute ``name`` of the accumulator's update."""
+    return property(lambda self: getattr(self._acc().updater, name), doc=doc)
+
+
 class _StepAttributes:
     """The visible state of a decorated step, shared by the function and its bound methods."""
 
@@ -65,7 +65,7 @@ class _StepAttributes:
     every = _shown("every", "Micro-steps (calls) per optimizer step: the N of ``accumulate(N, ...)``.")
     step = _shown("step", "Micro-steps (calls) so far.")
     is_boundary = _shown("is_boundary", "Whether the current call (or the last one, after it) ends a window.")
-    num_updates = _shown("num_updates", "Optimizer steps really taken (skipped non-finite steps not counted)")
+    num_updates = _updates("num_updates", "Optimizer steps really taken (skipped ones not counted).")
     pending = _shown("pending", "Calls accumulated in the open window, not yet applied.")
     micro_batch_size = property(
         lambda self: getattr(self._acc().micro, "size", None),
@@ -78,10 +78,10 @@ class _StepAttributes:
         "the plan ``checkpointed`` (yours stay as you set them), measured ``bytes``, ``seconds_per_row``), "
         "None while it measures (a probe call, then three calls per candidate) or without a budget.",
     )
-    scaler = _shown("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
-    last_step_skipped = _shown("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
+    scaler = _updates("scaler", 'The GradScaler adopted from ``mixed_precision("fp16")``, or None.')
+    last_step_skipped = _updates("last_step_skipped", "Whether the last optimizer step was skipped (a bool).")
 
-    last_grad_norm = _shown(
+    last_grad_norm = _updates(
         "last_grad_norm",
         "The total 2-norm of the last update's gradient before clipping: a 0-dim device tensor (no sync), "
         "summed in ``model.parameters()`` order with ``model=``; None until the step computed one (it does "
@@ -101,7 +101,7 @@ class _StepAttributes:
         Raises:
             TypeError: ``fn`` is not callable.
         """
-        return self._acc().on_update(fn)
+        return self._acc().updater.on_update(fn)
 
     def before_update(self, fn: Callable[[list[torch.Tensor]], Any]) -> RemovableHandle:
         """Call ``fn(params)`` just before every optimizer step really taken; return a removable handle.
@@ -116,12 +116,12 @@ class _StepAttributes:
         Raises:
             TypeError: ``fn`` is not a function of one argument.
         """
-        return self._acc().before_update(fn)
+        return self._acc().updater.before_update(fn)
 
     @property
     def found_inf(self) -> torch.Tensor | None:
         """Whether the last update saw NaN/inf: a 0-dim bool device tensor (no sync); None before one."""
-        probe = self._acc().probe
+        probe = self._acc().updater.probe
         return None if probe is None else ~torch.isfinite(probe)
 
     def flush(self) -> None:
@@ -181,7 +181,9 @@ class Step(_StepAttributes, wrapt.FunctionWrapper, Generic[F]):
 
     def __init__(self, wrapped: F, acc: StepOwner) -> None:
         box: list[weakref.ref[Step[F]]] = []
-        super().__init__(_outside_graphs(wrapped, box), acc)
+        body = _outside_graphs(wrapped, box)
+        acc.wraps(wrapped, body)
+        super().__init__(body, acc)
         box.append(weakref.ref(self))  # weakly: a step no one holds goes at once, not at the next gc
         self._self_acc = acc
 
@@ -194,7 +196,8 @@ def _outside_graphs(fn: F, box: list[Any]) -> F:
 
     torch.compile (dynamo) sees through the step's wrapper to the function it wraps and would trace that
     alone, skipping the step (no backward, no update): traced, this calls the step itself in a
-    ``torch.compiler.disable`` region (a graph break), where it runs eagerly as usual. Eager cost: one frame.
+    ``torch.compiler.disable`` region (a graph break), where it runs eagerly as usual. Eager cost: none, the
+    step calls ``fn`` itself unless wrapt hands it a bound method.
     """
 
     @functools.wraps(fn)

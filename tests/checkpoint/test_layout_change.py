@@ -116,7 +116,7 @@ def test_with_a_second_loader_the_one_the_step_trains_on_sets_the_global_batch(t
 def test_the_merged_window_log_counts_the_saved_calls_once_over_the_new_ranks() -> None:
     """Item counts: rank 0 carries the saved window's totals, the others zeros, so the ranks' summed
     (loss * items, items), what MetricLogger.log_update all-reduces, is the job's once, not W times."""
-    from speedups.accumulation.accumulator import _merged_log
+    from speedups.accumulation.state import merged_log as _merged_log
 
     t = torch.tensor
     logs = [[(t(6.0), 3), (t(2.0), 1)], [(t(4.0), 2), (t(0.0), 0)]]
