@@ -200,6 +200,32 @@ def test_a_compiled_function_that_calls_the_step_trains_as_the_eager_one() -> No
 
 
 @pytest.mark.slow
+def test_a_compiled_caller_runs_the_step_and_its_function_eagerly_and_compiles_none_of_our_frames() -> None:
+    """The step's call is left to eager by dynamo's frame strategy (no is_compiling() check per call): its
+    function runs as it does eagerly, and no frame of the step is compiled, whether the window's first call
+    or a later one is the first to run under the compiled caller."""
+    import torch._dynamo
+
+    seen: list[bool] = []
+    m = _model()
+
+    @accumulate(3, torch.optim.SGD(m.parameters(), lr=0.1))
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())
+        return F.mse_loss(m(x), y)
+
+    step(*_data()[0])  # one eager call first: the compiled caller then starts mid-window (the short path)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    run = torch.compile(lambda x, y: step(x * 2.0, y), backend="eager")
+    for x, y in _data():
+        run(x, y)
+    assert seen == [False] * 7 and step.step == 7 and step.num_updates == 2
+    assert counters["frames"]["total"] == 1, dict(counters["frames"])  # the caller's; a traced step: 6
+
+
+@pytest.mark.slow
 def test_a_step_method_called_from_a_compiled_method_trains_as_the_eager_one() -> None:
     class Loop:
         def __init__(self) -> None:

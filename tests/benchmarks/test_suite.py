@@ -49,3 +49,20 @@ def test_memory_benchmark_quick_mode_prints_its_line_and_the_table() -> None:
         "| plan (",
     ):
         assert row in out.stdout
+
+
+def test_overhead_benchmark_quick_mode_prints_every_wrapper_and_its_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--quick"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = (
+        r"overhead: @accumulate [+-]\d+\.\d us per call \(\d\.\d{3}x of the hand loop; floor \d\.\d{3}x\), "
+        r"mixed_precision [+-]\d+\.\d us, LossTracker.update [+-]\d+\.\d us, "
+        r"MetricLogger.log [+-]\d+\.\d us, RunDirectory.after_step [+-]\d+\.\d us, "
+        r"StopOnSignal.requested [+-]\d+\.\d us"
+    )
+    assert re.search(line, out.stdout), out.stdout
+    for row in ("| @accumulate | hand loop |", "| floor | hand loop |", "| mixed_precision | autocast |"):
+        assert row in out.stdout
