@@ -27,6 +27,10 @@ __all__ = [
     "default_store",
     "register_load_state_dict_pre_hook",
     "register_state_dict_post_hook",
+    "keeps_live_iterator",
+    "live_loader_iterator",
+    "set_worker_seed",
+    "worker_numpy_seed",
 ]
 
 
@@ -190,6 +194,41 @@ def leave_to_eager(*functions: Callable[..., Any]) -> None:
     skip = getattr(sys.modules["torch._dynamo.eval_frame"], "skip_code", None) or frames.skip_code
     for fn in functions:
         skip(fn.__code__)
+
+
+def keeps_live_iterator(loader: Any) -> bool:
+    """Whether ``loader`` (a ``DataLoader``) keeps its persistent workers' iterator where
+    :func:`live_loader_iterator` reads it."""
+    return "_iterator" in vars(loader)
+
+
+def live_loader_iterator(loader: Any) -> Any:
+    """The iterator a ``DataLoader`` with persistent workers keeps across passes, or None before its first.
+
+    ``DataLoader._iterator``: torch builds it at the first ``iter(loader)`` (assigned once built, so it is
+    still None while the first pass starts) and resets it at the next ones; no public spelling.
+    """
+    return loader._iterator
+
+
+def worker_numpy_seed(base_seed: int, worker_id: int) -> Any:
+    """What torch's loader worker seeds numpy's global ``RandomState`` with (a list of 4 uint32 words).
+
+    torch's private ``torch.utils.data._utils.worker._generate_state(base_seed, worker_id)``, the function
+    its ``_worker_loop`` calls; no public spelling.
+    """
+    from torch.utils.data._utils import worker
+
+    return worker._generate_state(base_seed, worker_id)
+
+
+def set_worker_seed(info: Any, seed: int) -> None:
+    """Make ``torch.utils.data.get_worker_info().seed`` report ``seed`` in this worker.
+
+    ``WorkerInfo`` refuses assignment (a frozen dataclass in recent torch, a class whose ``__setattr__``
+    raises once initialised before): ``object.__setattr__`` sets the field in both.
+    """
+    object.__setattr__(info, "seed", seed)
 
 
 def eager_below(*functions: Callable[..., Any]) -> bool:
