@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 # Set in each worker process by record_init; read back through SeedProbe's items.
 INIT_MARK: dict[str, int] = {}
@@ -145,3 +146,48 @@ class LateDraws(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         late = random.random() if i >= self.late else -1.0
         return torch.tensor([float(i), torch.rand(()).item(), late], dtype=torch.float64)
+
+
+class EpochProbe(SeedProbe):
+    """SeedProbe's item (index, worker id, worker seed, numpy, random and torch draws, init mark), then the
+    pid of the process that loaded it (which a fresh-worker reference does not share)."""
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:  # type: ignore[override]
+        return (*super().__getitem__(i), os.getpid())
+
+
+class BatchedProbe(EpochProbe):
+    """An EpochProbe with a ``__getitems__`` of its own (marked: its items' init mark is negated)."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[int, ...]]:
+        assert type(indices) is list and all(isinstance(i, int) for i in indices), indices
+        out = []
+        for i in indices:
+            item = self[i]
+            out.append((*item[:6], -1 - item[6], item[7]))
+        return out
+
+
+class EagerShuffle(Sampler):
+    """A sampler that draws its whole permutation from the global torch RNG when ``iter()`` is called (not at
+    its first index, as RandomSampler does): the order of draws a fresh DataLoader iterator makes shows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
+class EagerBatches(EagerShuffle):
+    """A batch sampler that draws its permutation at ``iter()``, in batches of 3."""
+
+    def __len__(self) -> int:
+        return -(-self.n // 3)
+
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()
+        return iter([order[i : i + 3] for i in range(0, self.n, 3)])

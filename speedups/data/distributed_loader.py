@@ -24,6 +24,7 @@ from torch.utils.data import (
 
 from speedups._helpers import env, validate
 from speedups._helpers.layout import LayoutChange
+from speedups.data.persistence import build_loader, rebuilt_persistence, reseeds_workers, unwrapped
 from speedups.data.rank_sampler import RankSampler
 from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sample_keys import SampleKeys
@@ -58,17 +59,18 @@ class DistributedLoader(DataLoader):
         # from instead after a restore: a resumed pass then draws nothing the uninterrupted run did not.
         self._seed_state: torch.Tensor | None = None
         self._replay_seed: torch.Tensor | None = None
-        self._workers_started = False  # persistent workers: only the first iterator draws a base seed
+        self._workers_started = False  # torch's own persistent workers: only the first iterator draws
         self.epoch = -1
         """Epoch of the current or last pass; -1 before the first."""
 
     @property
     def distributed_sampler(self) -> DistributedSampler:
         """The ``DistributedSampler`` (also when it sits inside the loader's ``batch_sampler``)."""
-        sampler = self.sampler if self.batch_sampler is None else self.batch_sampler.sampler  # type: ignore[attr-defined]
+        batch_sampler = unwrapped(self.batch_sampler)
+        sampler = unwrapped(self.sampler if batch_sampler is None else batch_sampler.sampler)
         if isinstance(sampler, SampleKeys):  # sample_seeds=True: the keys follow this sampler's epoch
             sampler = sampler.sampler
-        return sampler  # type: ignore[return-value]
+        return sampler
 
     def _batch_size(self) -> int:
         if self.batch_sampler is None:
@@ -114,11 +116,15 @@ class DistributedLoader(DataLoader):
         return counting
 
     def _inner_iterator(self) -> Iterator[Any]:
-        """The DataLoader's iterator; its one base-seed draw replays a restored one instead of a new draw."""
+        """The DataLoader's iterator; its one base-seed draw replays a restored one instead of a new draw.
+
+        Every pass draws one (fresh workers; workers that persist exactly draw it inside ``iter()`` too),
+        except the later passes of torch's own persistent workers.
+        """
         replay, self._replay_seed = self._replay_seed, None
-        persistent = bool(self.persistent_workers and self.num_workers > 0)
+        persistent = bool(self.persistent_workers and self.num_workers > 0) and not reseeds_workers(self)
         if persistent and self._workers_started:
-            return super().__iter__()  # the same workers: torch draws no new base seed
+            return super().__iter__()  # torch's persistent workers: no new base seed
         source = self.generator if self.generator is not None else torch.default_generator
         if replay is None:
             self._seed_state = source.get_state()
@@ -310,10 +316,11 @@ def _stream(
             f"{said}: an IterableDataset is read in its own order; shuffle it inside the stream (a shuffle "
             f"buffer) and leave shuffle=None."
         )
-    dataset: Any = loader.dataset
+    dataset: Any = unwrapped(loader.dataset)
     if not splits_itself(dataset):
         dataset = RankStream(dataset, rank=place[0], world_size=place[1], even=even)
-    return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **_settings(loader))
+    kwargs = _settings(loader) | {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
+    return build_loader(DataLoader, dataset, **kwargs)
 
 
 def _placement(said: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -338,8 +345,9 @@ def _settings(loader: DataLoader) -> dict[str, Any]:
     if not kwargs.get("num_workers"):
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
-    else:  # workers that outlive a stop signal until the main process has saved
+    else:  # workers that outlive a stop signal until the main process has saved, and persist exactly
         kwargs["worker_init_fn"] = sheltered(kwargs.get("worker_init_fn"))
+        kwargs["persistent_workers"] = rebuilt_persistence(loader)
     return kwargs
 
 
@@ -378,12 +386,14 @@ def distributed(
     all-reduce needs that). ``even=False`` (evaluation) gives each sample to exactly one rank, so a metric
     does not depend on the world size; batch counts may then differ by one: run no per-batch collective,
     reduce once after the loop (``LossTracker(all_ranks=True)`` or :func:`~speedups.gather`). The original
-    loader is not modified. A loader that already has a ``DistributedSampler`` (code written for torchrun) is
-    adopted, never split twice: the same ranks, shuffling, seed and ``drop_last``, with ``set_epoch(e)`` on
-    pass ``e``; arguments that contradict that sampler raise. A loader over an ``IterableDataset`` becomes a
-    plain ``DataLoader`` over a :class:`~speedups.data.rank_stream.RankStream`: the stream dealt round-robin
-    to every (rank, loader worker), each sample read once per epoch (``even`` drops a last partial round so
-    every rank gets as many batches); a dataset with ``splits_by_rank = True`` is trusted to split itself.
+    loader is not modified. Workers persist and draw what fresh ones draw, epoch after epoch, as
+    ``fast_loader``'s do (unless the original has torch's own ``persistent_workers=True``). A loader that
+    already has a ``DistributedSampler`` (code written for torchrun) is adopted, never split twice: the same
+    ranks, shuffling, seed and ``drop_last``, with ``set_epoch(e)`` on pass ``e``; arguments that contradict
+    that sampler raise. A loader over an ``IterableDataset`` becomes a plain ``DataLoader`` over a
+    :class:`~speedups.data.rank_stream.RankStream`: the stream dealt round-robin to every (rank, loader
+    worker), each sample read once per epoch (``even`` drops a last partial round so every rank gets as
+    many batches); a dataset with ``splits_by_rank = True`` is trusted to split itself.
     ``sample_seeds=True`` seeds each sample's RNGs from (seed, epoch, index), as ``fast_loader`` can.
 
     Sync points: none (each rank computes the same permutation from ``seed + epoch``).
@@ -431,6 +441,7 @@ def distributed(
         )
     if isinstance(loader, DistributedLoader):
         raise ValueError(f"distributed(loader={type(loader).__name__}): this loader is already distributed.")
+    users_dataset = unwrapped(loader.dataset)  # inside what fast_loader wrapped
     said = (
         f"distributed(shuffle={shuffle!r}, even={even!r}, seed={seed!r}, rank={rank!r}, "
         f"world_size={world_size!r}"
@@ -442,16 +453,16 @@ def distributed(
         validate.flag(even, "even")
         if sample_seeds is not None:
             validate.flag(sample_seeds, "sample_seeds")
-        seeded = sample_seeds or (sample_seeds is None and isinstance(loader.dataset, SeededSamples))
+        seeded = sample_seeds or (sample_seeds is None and isinstance(users_dataset, SeededSamples))
         low = 0 if seeded else -(2**63)  # seed + epoch must fit a generator's seed
         validate.integer(seed, "seed", minimum=low, maximum=2**63 - 1, example="0 (the same on every rank)")
         validate.integer(world_size, "world_size", minimum=1, none_ok=True)
         validate.integer(rank, "rank", minimum=0, none_ok=True)
         if sample_seeds:
-            refuse_stream(loader.dataset, "or leave sample_seeds out")
-    if isinstance(loader.dataset, IterableDataset):
+            refuse_stream(users_dataset, "or leave sample_seeds out")
+    if isinstance(users_dataset, IterableDataset):
         return _stream(loader, said, shuffle, even, _placement(said, rank, world_size))
-    batch_sampler = loader.batch_sampler
+    batch_sampler = unwrapped(loader.batch_sampler)  # the user's, inside what fast_loader wrapped
     if isinstance(batch_sampler, SampleKeys):  # fast_loader(batch_sampler=..., sample_seeds=True)
         batch_sampler = batch_sampler.sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
@@ -460,11 +471,11 @@ def distributed(
             f"rebuilt around a DistributedSampler. Give the DataLoader a batch_size and a RandomSampler or "
             f"SequentialSampler instead, or split indices by rank inside your batch sampler."
         )
-    inner: Any = loader.sampler if batch_sampler is None else batch_sampler.sampler
+    inner: Any = unwrapped(loader.sampler if batch_sampler is None else batch_sampler.sampler)
     keys_order = isinstance(inner, SampleKeys) and inner.is_seeded_order
     if isinstance(inner, SampleKeys):
         inner = inner.sampler
-    given = keys_order and isinstance(loader.dataset, SeededSamples) and loader.dataset.samples_seed_given
+    given = keys_order and isinstance(users_dataset, SeededSamples) and users_dataset.samples_seed_given
     if keys_order and not given:  # fast_loader(..., sample_seeds=True) without seed=: ours, as for any
         was_shuffled = bool(inner.shuffle)
     elif keys_order:  # fast_loader(..., seed=..., sample_seeds=True)'s one-rank order: split, from its seed
@@ -496,7 +507,7 @@ def distributed(
         )
     this_rank, num_replicas = _placement(said, rank, world_size)
     sampler = RankSampler(
-        loader.dataset,
+        users_dataset,
         num_replicas=num_replicas,
         rank=this_rank,
         shuffle=was_shuffled if shuffle is None else shuffle,
@@ -505,7 +516,7 @@ def distributed(
     )
     if isinstance(inner, DistributedSampler) and inner.drop_last and even:  # its split, tail dropped
         sampler.drop_last, sampler.num_samples, sampler.total_size = True, inner.num_samples, inner.total_size
-    dataset, order = _seeded(loader.dataset, sampler, sample_seeds, seed)
+    dataset, order = _seeded(users_dataset, sampler, sample_seeds, seed)
     kwargs = _settings(loader)
     if isinstance(dataset, SeededSamples) and kwargs.get("generator") is None:  # as fast_loader does: the
         kwargs["generator"] = torch.Generator().manual_seed(dataset.samples_seed)  # global RNG stays alone
@@ -515,7 +526,7 @@ def distributed(
         kwargs["batch_sampler"] = BatchSampler(order, batch_sampler.batch_size, batch_sampler.drop_last)
     else:
         kwargs.update(sampler=order, batch_size=None)
-    return DistributedLoader(dataset, **kwargs)
+    return build_loader(DistributedLoader, dataset, **kwargs)
 
 
 def _seeded(

@@ -4,8 +4,8 @@
 processes sized to the CPUs this process may use, pinned memory only where CUDA is used, and workers that
 outlive a stop signal until the main process has saved. What it yields, and every number it draws from the
 main process's random streams, epoch after epoch, are those of ``DataLoader`` with the same arguments:
-torch seeds each worker's torch, ``random`` and numpy streams from the epoch's base seed, and the workers
-restart each epoch (persistent workers draw that seed once, which would shift every later draw).
+torch seeds each worker's torch, ``random`` and numpy streams from the epoch's base seed; the workers start
+once and are reseeded from it every epoch as fresh ones would be (:mod:`speedups.data.persistence`).
 
 Under the ``spawn`` and ``forkserver`` start methods (the default on macOS, Windows and Python 3.14) what a
 worker needs is test-pickled first, so a lambda ``collate_fn`` fails early with a message that names it,
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.validate import short
+from speedups.data.persistence import EXACT, build_loader, has_per_epoch_state, unwrapped
 from speedups.data.rank_stream import splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
@@ -38,26 +39,6 @@ from speedups.data.workers import (
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["fast_loader"]
-
-
-def has_per_epoch_state(dataset: object, depth: int = 4) -> bool:
-    """Whether ``dataset``, or one it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), has set_epoch.
-
-    ``set_epoch`` is the convention (Hugging Face datasets, WebDataset, torchdata, Lightning, Accelerate) of a
-    dataset whose samples depend on the epoch; the main process calls it, so persistent workers, which hold
-    the copy made when they started, would never see it.
-    """
-    if callable(getattr(dataset, "set_epoch", None)):
-        return True
-    if depth == 0:
-        return False
-    inner = getattr(dataset, "dataset", None)
-    if inner is not None and inner is not dataset and has_per_epoch_state(inner, depth - 1):
-        return True
-    many = getattr(dataset, "datasets", None)
-    if isinstance(many, (list, tuple)):
-        return any(d is not dataset and has_per_epoch_state(d, depth - 1) for d in many[:64])
-    return False
 
 
 def _default_prefetch(num_workers: int) -> int:
@@ -88,13 +69,16 @@ def fast_loader(
     memory: measure with :func:`~speedups.tune_loader`.
 
     What it yields and what it draws from the main process's RNG (or ``generator``), epoch after epoch, are
-    the same ``DataLoader``'s, bit for bit: torch seeds each worker's torch, ``random`` and numpy streams
-    from a base seed it draws every epoch, reproducibly from ``seed`` or ``generator``. So workers do not
-    persist by default: persistent workers draw that seed once, which shifts every later draw (the next
-    epoch's shuffle, the loop's own noise) and the workers' augmentation from the second epoch on; pass
-    ``persistent_workers=True`` to save their start-up each epoch at that price. With ``sample_seeds=True``
-    (and no ``generator=``) nothing depends on it, and workers persist (except for a dataset with
-    ``set_epoch``, or wrapping one, whose per-epoch state only reaches fresh workers).
+    those of ``DataLoader(..., persistent_workers=False)`` with the same arguments, bit for bit, yet workers
+    start once: each epoch draws the workers' base seed where a fresh iterator draws it (torch's persistent
+    workers draw it once, which shifts every later draw: the next shuffle, the loop's own noise), and each
+    worker, at the epoch's first item, reseeds its torch, ``random`` and numpy streams from it, sets
+    ``get_worker_info().seed`` and runs ``worker_init_fn`` again, as a fresh worker would (what a worker
+    keeps in its own globals lives on). ``loader.dataset`` and ``loader.sampler`` then wrap yours and read
+    through (``.dataset``, ``.sampler``). Fresh workers each epoch where that cannot be matched: an
+    ``IterableDataset`` (no index carries the seed), a dataset with ``set_epoch`` or wrapping one (its state
+    reaches only workers started after it). ``persistent_workers=True``/``False`` gives torch's own. With
+    ``sample_seeds=True`` and no ``generator=`` nothing depends on the base seed: torch's persistent workers.
 
     ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
     so random augmentation gives the same batches for any workers, world size or resume; the order becomes
@@ -112,7 +96,8 @@ def fast_loader(
         **dataloader_kwargs: any other ``DataLoader`` argument (``collate_fn``, ``sampler``, ...).
 
     Returns:
-        A plain ``DataLoader``; its ``worker_init_fn`` is picklable.
+        A plain ``DataLoader``; its ``worker_init_fn`` is picklable. With workers that persist, the loader
+        itself cannot be pickled (its sampler holds it weakly), as none with live workers can.
 
     Raises:
         TypeError: an argument of the wrong type (a ``DataLoader`` as ``dataset``: pass its ``.dataset``), or
@@ -173,7 +158,8 @@ def fast_loader(
             raise TypeError(f"worker_init_fn={user_init!r}: expected a function of the worker id, or None.")
 
     kwargs = dict(dataloader_kwargs)
-    if isinstance(dataset, SeededSamples):  # another loader's dataset: the user's own, seeded again if asked
+    dataset = unwrapped(dataset)  # another loader's dataset: the user's own, seeded again if asked
+    if isinstance(dataset, SeededSamples):
         dataset = dataset.dataset
     stream = isinstance(dataset, IterableDataset) and not splits_itself(dataset)  # replayed per reader
     if num_workers == "auto":
@@ -191,12 +177,13 @@ def fast_loader(
     )
     if workers > 0:
         release_workers_at_exit()  # its workers ignore SIGTERM: never let the exit wait for them
-        # Persistent workers draw their base seed once, where DataLoader's restarted workers draw it every
-        # epoch: every later draw of the main process (the next shuffle, the loop's own) would shift. Only
-        # per-sample seeds, whose base seed then comes from a generator of their own, make that invisible; a
-        # dataset whose state changes per epoch (set_epoch) must reach fresh workers in any case.
+        # torch's persistent workers draw their base seed once, where DataLoader's restarted workers draw it
+        # every epoch: every later draw of the main process (the next shuffle, the loop's own) would shift.
+        # EXACT keeps the workers and draws it every epoch (build_loader; fresh workers where it cannot). With
+        # per-sample seeds and no generator of the user's, nothing depends on it: torch's own persistence.
         own_seeds = sample_seeds and dataloader_kwargs.get("generator") is None
-        kwargs.setdefault("persistent_workers", own_seeds and not has_per_epoch_state(dataset))
+        plain = own_seeds and not has_per_epoch_state(dataset)
+        kwargs.setdefault("persistent_workers", True if plain else EXACT)
         kwargs.setdefault("prefetch_factor", _default_prefetch(workers))
         method = start_method(kwargs.get("multiprocessing_context"))
         bad = unpicklable_for_workers(method, dataset, kwargs.get("collate_fn"), user_init)
@@ -215,7 +202,7 @@ def fast_loader(
         dataset, shuffle = _with_sample_seeds(dataset, shuffle, seed, kwargs)
     if not isinstance(dataset, IterableDataset) or shuffle:
         kwargs["shuffle"] = shuffle
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+    return build_loader(DataLoader, dataset, batch_size=batch_size, num_workers=workers, **kwargs)
 
 
 def _check_sample_seeds(dataset: Any, kwargs: dict[str, Any]) -> None:

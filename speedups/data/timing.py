@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from speedups.data.persistence import build_loader, unwrapped
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.workers import dataloader_parameters
 from speedups.device import to_device
@@ -73,14 +74,16 @@ def uses_default_batch_sampler(loader: DataLoader[Any]) -> bool:
 
 
 def sampling_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
-    """The arguments that decide which samples come out, and in which order, exactly as in ``loader``."""
+    """The arguments that decide which samples come out, and in which order, exactly as in ``loader``: the
+    user's sampler or batch sampler (a rebuilt loader wraps them anew)."""
     if isinstance(loader.dataset, IterableDataset):
         return {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
     if loader.batch_sampler is None:  # automatic batching disabled
-        return {"batch_size": None, "sampler": loader.sampler}
+        return {"batch_size": None, "sampler": unwrapped(loader.sampler)}
     if uses_default_batch_sampler(loader):
-        return {"batch_size": loader.batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
-    return {"batch_size": 1, "batch_sampler": loader.batch_sampler}
+        sampler = unwrapped(loader.sampler)
+        return {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
+    return {"batch_size": 1, "batch_sampler": unwrapped(loader.batch_sampler)}
 
 
 def rebuild_loader(
@@ -90,11 +93,12 @@ def rebuild_loader(
     num_workers: int,
     pin_memory: bool,
     prefetch_factor: int | None,
-    persistent_workers: bool,
+    persistent_workers: bool | str,
     generator: torch.Generator | None,
 ) -> DataLoader[Any]:
-    """A DataLoader like ``loader`` (dataset, collate_fn, timeout, worker_init_fn, context, ...) with the
-    given sampling and worker settings."""
+    """A DataLoader like ``loader`` (the user's dataset, collate_fn, timeout, worker_init_fn, context, ...)
+    with the given sampling and worker settings (``persistent_workers`` may be
+    :data:`~speedups.data.persistence.EXACT`)."""
     kwargs: dict[str, Any] = dict(sampling)
     kwargs.update(
         num_workers=num_workers,
@@ -114,7 +118,7 @@ def rebuild_loader(
     for name in ("pin_memory_device", "in_order"):
         if name in params and hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
-    return DataLoader(loader.dataset, **kwargs)
+    return build_loader(DataLoader, unwrapped(loader.dataset), **kwargs)
 
 
 class _TimingBatches:
@@ -179,7 +183,7 @@ def timing_sampling(loader: DataLoader[Any]) -> dict[str, Any]:
         if loader.batch_sampler is None:
             return {"batch_size": None, "sampler": batches}
         return {"batch_size": 1, "batch_sampler": batches}
-    source = loader.batch_sampler
+    source = unwrapped(loader.batch_sampler)  # the user's: iterating a wrapper would draw a base seed
     if isinstance(source, SampleKeys):  # sample_seeds: read the user's batch sampler, not the pass counter
         source = source.sampler
     sample = []

@@ -24,7 +24,7 @@ from speedups._helpers import validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.rng import preserved_rng
 from speedups._helpers.validate import short
-from speedups.data.loaders import has_per_epoch_state
+from speedups.data.persistence import EXACT, has_per_epoch_state, reseeds_workers, unwrapped
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.timing import (
     TUNED,
@@ -221,10 +221,12 @@ def tune_loader(
     fixes them, None leaves them alone.
 
     What the loader yields never changes: the new loader reuses the dataset, sampler, ``collate_fn``,
-    ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn``, context and ``persistent_workers`` (so a
-    persistent loader is never tuned down to 0 workers, which would shift the shuffle from epoch 2 on);
-    random augmentation in ``__getitem__`` stays the same only with ``fast_loader(..., sample_seeds=True)``
-    (whose own order is free of that: any worker count, and workers persist).
+    ``drop_last``, ``generator``, ``timeout``, ``worker_init_fn`` and context. Its workers persist and draw
+    what fresh ones draw (one base seed per epoch, as 0 workers do: ``fast_loader``'s), so the shuffle is the
+    same for any worker count; torch's own persistent workers (``persistent_workers=True`` on the loader),
+    which draw it once, are kept, and such a loader is never tuned down to 0 workers (the shuffle would
+    shift from epoch 2 on). Random augmentation in ``__getitem__`` stays the same across worker counts only
+    with ``fast_loader(..., sample_seeds=True)`` (whose own order is free of all that).
     Timing reads its own indices on a copy of the generator and restores the global RNG states (state a
     dataset keeps in itself, such as its own ``numpy.random.Generator``, does advance). Unpicklable code
     under ``spawn``/``forkserver`` keeps 0 workers, and an ``IterableDataset`` its worker count, each with
@@ -268,7 +270,8 @@ def tune_loader(
     iterable = isinstance(loader.dataset, IterableDataset)
     notes: list[str] = []
 
-    blocked = unpicklable_for_workers(method, loader.dataset, loader.collate_fn, loader.worker_init_fn)
+    dataset = unwrapped(loader.dataset)  # the user's
+    blocked = unpicklable_for_workers(method, dataset, loader.collate_fn, loader.worker_init_fn)
     if blocked is not None:
         name, obj, err = blocked
         warnings.warn(
@@ -289,13 +292,14 @@ def tune_loader(
         )
         notes.append("num_workers is not tuned for an IterableDataset")
 
-    # Persistent workers draw the epoch's base seed from the generator only once; 0 workers (or
-    # non-persistent ones) draw it every epoch. Switching between the two would shift a shuffle that shares
-    # that generator from the second epoch on, so the loader's own choice is kept.
-    persistent = bool(loader.persistent_workers and loader.num_workers > 0)
+    # torch's persistent workers draw the epoch's base seed from the generator only once; 0 workers,
+    # non-persistent ones and those that persist exactly (build_loader) draw it every epoch. Switching
+    # between the two would shift a shuffle that shares that generator from the second epoch on, so torch's
+    # persistence, where the loader has it, is kept.
+    persistent = bool(loader.persistent_workers and loader.num_workers > 0) and not reseeds_workers(loader)
     keyed = _keyed_order(loader)
     if keyed:  # fast_loader(..., sample_seeds=True): the order and the samples never read the generator
-        persistent = persistent or (loader.num_workers == 0 and not has_per_epoch_state(loader.dataset))
+        persistent = persistent or (loader.num_workers == 0 and not has_per_epoch_state(dataset))
     if persistent and blocked is None and not iterable and not keyed:
         notes.append(
             "0 workers was not timed: the loader's persistent workers draw their seed from the generator "
@@ -408,25 +412,25 @@ def tune_loader(
             notes.append(
                 f"compute threads: {threads} (torch.set_num_threads({threads}); it was {threads_before})"
             )
-    report.num_threads_before = threads_before
-    report.chosen = {
-        "num_workers": workers,
-        "pin_memory": pin,
-        "prefetch_factor": prefetch,
-        "persistent_workers": persistent and workers > 0,
-        "num_threads": torch.get_num_threads(),
-    }
-    report.reason = "; ".join([reason, *notes]) + "."
-    report.seconds = time.perf_counter() - began
     tuned = rebuild_loader(
         loader,
         sampling_kwargs(loader),
         num_workers=workers,
         pin_memory=pin,
         prefetch_factor=prefetch,
-        persistent_workers=persistent and workers > 0,
+        persistent_workers=(True if persistent else EXACT) if workers > 0 else False,
         generator=loader.generator,
     )
+    report.num_threads_before = threads_before
+    report.chosen = {
+        "num_workers": workers,
+        "pin_memory": pin,
+        "prefetch_factor": prefetch,
+        "persistent_workers": bool(tuned.persistent_workers),
+        "num_threads": torch.get_num_threads(),
+    }
+    report.reason = "; ".join([reason, *notes]) + "."
+    report.seconds = time.perf_counter() - began
     return tuned, report
 
 
@@ -435,7 +439,8 @@ def _keyed_order(loader: DataLoader[Any]) -> bool:
     sample_seeds=True)`` without a sampler of the user's). Then persistent workers and 0 workers yield the
     same batches, so both may be timed, and workers chosen for a 0-worker loader persist, as in fast_loader.
     """
-    return isinstance(loader.sampler, SampleKeys) and loader.sampler.is_seeded_order
+    sampler = unwrapped(loader.sampler)
+    return isinstance(sampler, SampleKeys) and sampler.is_seeded_order
 
 
 def _copy_target() -> torch.device | None:

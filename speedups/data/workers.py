@@ -131,7 +131,8 @@ def seed_worker(worker_id: int, init_fn: Callable[[int], object] | None = None) 
     The worker's random streams are left exactly as torch seeded them, so its draws are a plain
     ``DataLoader``'s: torch seeds the worker's torch generator and ``random`` with ``base_seed + worker_id``
     and numpy's global ``RandomState`` from ``(base_seed, worker_id)``, where ``base_seed`` is drawn from the
-    loader's ``generator`` (or the global torch RNG) each time an epoch's workers start. Every worker and
+    loader's ``generator`` (or the global torch RNG) each time an epoch's workers start (or, for workers that
+    persist exactly, each epoch: :mod:`speedups.data.persistence` reseeds them). Every worker and
     epoch thus draws its own numbers, reproducibly from the generator's seed; reseeding any of them here
     would make a port's augmentation differ from its original's. Module-level (not a closure) so it pickles
     under ``spawn``. The worker ignores the stop signals, so a preempted main

@@ -17,6 +17,7 @@ import torch
 
 from speedups._helpers.tree import tree_map
 from speedups._helpers.wrappers import find_ddp
+from speedups.data.persistence import unwrapped
 from speedups.errors import SpeedupsWarning
 
 __all__ = ["MistakeWatcher"]
@@ -79,10 +80,10 @@ class MistakeWatcher:
 
     def new_pass(self, iterable: Iterable[Any]) -> None:
         """A pass over ``iterable`` began: warn if its ``DistributedSampler`` has the last pass's epoch."""
-        sampler = getattr(iterable, "sampler", None)
-        batch_sampler = getattr(iterable, "batch_sampler", None)
+        sampler = unwrapped(getattr(iterable, "sampler", None))  # the user's, inside fast_loader's wrappers
+        batch_sampler = unwrapped(getattr(iterable, "batch_sampler", None))
         if not isinstance(sampler, torch.utils.data.DistributedSampler):
-            sampler = getattr(batch_sampler, "sampler", None)
+            sampler = unwrapped(getattr(batch_sampler, "sampler", None))
         if not isinstance(sampler, torch.utils.data.DistributedSampler):
             return
         epoch = int(sampler.epoch)

@@ -143,7 +143,7 @@ def test_auto_workers_use_affinity_divided_by_local_processes(monkeypatch: pytes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     loader = fast_loader(list(range(16)), 4)
     assert loader.num_workers == 4
-    assert not loader.persistent_workers and loader.prefetch_factor == 2  # DataLoader's draws: see below
+    assert loader.persistent_workers and loader.prefetch_factor == 2  # persisting exactly: see below
     assert loader.pin_memory is torch.cuda.is_available()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     loader = fast_loader(list(range(16)), 4, prefetch_factor=3, persistent_workers=True)
@@ -328,15 +328,17 @@ def test_batches_and_the_main_processs_draws_are_the_plain_dataloaders_epoch_aft
     assert not torch.equal(plain[0], plain[3])  # the epochs differ: the comparison has teeth
 
 
-def test_workers_persist_by_default_only_where_nothing_depends_on_it() -> None:
+def test_workers_persist_by_default() -> None:
+    """Workers persist; they draw what fresh ones draw (tests/data/test_exact_persistence.py)."""
     mine = torch.Generator().manual_seed(1)
-    assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is False
-    assert fast_loader(Squares(4), 2, num_workers=2, seed=3).persistent_workers is False
+    assert fast_loader(Squares(4), 2, num_workers=2).persistent_workers is True
+    assert fast_loader(Squares(4), 2, num_workers=2, seed=3).persistent_workers is True
     assert fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True).persistent_workers is True
     assert fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True, seed=3).persistent_workers is True
     # a generator of the user's feeds the workers' base seeds: drawn every epoch, as DataLoader does
     assert (
         fast_loader(Squares(4), 2, num_workers=2, sample_seeds=True, generator=mine).persistent_workers
-        is False
+        is True
     )
     assert fast_loader(Squares(4), 2, num_workers=2, persistent_workers=True).persistent_workers is True
+    assert fast_loader(Squares(4), 2, num_workers=2, persistent_workers=False).persistent_workers is False

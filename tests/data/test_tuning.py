@@ -143,14 +143,14 @@ def test_tuned_loader_keeps_timeout_context_and_init_fn() -> None:
         Squares(16), 4, num_workers=1, timeout=30, worker_init_fn=record_init, multiprocessing_context="fork"
     )
     tuned, report = tune_loader(loader, max_seconds=1, candidates=[{"num_workers": 1}], progress=False)
-    assert tuned.num_workers == 1 and not tuned.persistent_workers and tuned.prefetch_factor == 2
+    assert tuned.num_workers == 1 and tuned.persistent_workers and tuned.prefetch_factor == 2
     assert tuned.timeout == 30 and tuned.worker_init_fn is record_init
     assert tuned.multiprocessing_context is loader.multiprocessing_context
     assert report.chosen == {
         "num_workers": 1,
         "pin_memory": False,
         "prefetch_factor": 2,
-        "persistent_workers": False,
+        "persistent_workers": True,  # persisting exactly: what a fresh worker draws, every epoch
         "num_threads": torch.get_num_threads(),  # without a step, left as they are
     }
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from speedups import SpeedupsError, SpeedupsWarning, check
+from speedups import SpeedupsError, SpeedupsWarning, check, fast_loader
 from tests._dist import free_port
 
 
@@ -34,10 +34,16 @@ def test_kept_graph_detector(model) -> None:
                 losses.append(loss.detach())
 
 
-def test_sampler_epoch_detector() -> None:
+@pytest.mark.parametrize("made_by", ["DataLoader", "fast_loader"])
+def test_sampler_epoch_detector(made_by: str) -> None:
+    """fast_loader's workers persist: its loader.sampler wraps the DistributedSampler, which is found."""
     data = list(range(20))
     sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    if made_by == "DataLoader":
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+    else:
+        loader = fast_loader(data, 4, sampler=sampler, num_workers=1)
+        assert loader.persistent_workers and loader.sampler.sampler is sampler
     with check() as chk, pytest.warns(SpeedupsWarning, match=r"set_epoch\(epoch\)"):
         for _ in range(2):  # the mistake: no set_epoch
             for _batch in chk.iter(loader):
