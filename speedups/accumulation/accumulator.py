@@ -19,7 +19,6 @@ other case.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
@@ -31,13 +30,14 @@ from speedups.accumulation.epoch_pass import EpochPass
 from speedups.accumulation.grad_sync import GradSync, SyncKind
 from speedups.accumulation.guard import Guard
 from speedups.accumulation.micro_batching import MicroBatcher
+from speedups.accumulation.micro_host import MicroHost
 from speedups.accumulation.output import result_of
 from speedups.accumulation.ownership import OWNERSHIP
 from speedups.accumulation.parameters import StepParameters
 from speedups.accumulation.state import check_step_state, load_step_state, merge_states, step_state
 from speedups.accumulation.update import Update
 from speedups.accumulation.window import ITEMS, MEAN, Window
-from speedups.accumulation.zero_items import GradMask, Keep, keep_of
+from speedups.accumulation.zero_items import Keep, keep_of
 
 __all__ = ["Accumulator"]
 
@@ -79,14 +79,15 @@ class Accumulator:
         self.is_boundary = False
         # One process: the summed loss tells whether to skip (cheaper than a gradient norm). Data parallel:
         # the gradient norm, identical on every rank after the sync, so every rank decides alike.
-        self.window = Window(every, sync, check_losses=skip_nonfinite and sync.kind is SyncKind.SINGLE)
         self.params = StepParameters(optimizers, model, self._params_changed)
+        checks = skip_nonfinite and sync.kind is SyncKind.SINGLE
+        self.window = Window(every, sync, self.params, check_losses=checks)
         self.updater = Update(
             self.params, schedulers, max_grad_norm=max_grad_norm, max_grad_value=max_grad_value,
             skip_nonfinite=skip_nonfinite,
         )  # fmt: skip
         self.guard = Guard(self, self.params, sync, self.updater, self.window, hooks=guard)
-        self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see .zero_items)
+        self.host = MicroHost(self)  # what the micro-batcher uses of this step
         self.passes = EpochPass(sized=sync.kind is SyncKind.FSDP2)  # train_step.epoch(loader)
         self.short = False  # whether a mid-window call may take the short path (see _short_allowed)
         self.compile_checks = not _left_to_eager()  # an older torch: each call asks whether it is traced
@@ -115,16 +116,20 @@ class Accumulator:
             OWNERSHIP.last = guard.token
             self.is_boundary = boundary = pending + 1 == self.every
             out = (self.fn if wrapped is self.body else wrapped)(*args, **kwargs)
+            if type(out) is not torch.Tensor or out.dim() or out.grad_fn is None or out.is_complex():
+                done = self._backward_of(out, boundary)  # another form, or a bad result: checked there
+            else:
+                done = None
+                if pending:
+                    guard.inside_call()  # a backward() inside the step?
+                else:  # once a window: an outer fp16 autocast, a backward() inside the step
+                    check_outer_autocast(out.device.type)
+                    guard.first_call()
+                out.backward(torch.full_like(out, self.window.inv_every))  # (loss / every).backward()'s
         finally:
             current_step.reset(token)
-        if type(out) is not torch.Tensor or out.dim() or out.grad_fn is None or out.is_complex():
-            return self._finish(out, boundary)  # another form, or a bad result: checked there
-        if pending:
-            guard.inside_call()  # a backward() inside the step?
-        else:  # once a window: an outer fp16 autocast, a backward() inside the step
-            check_outer_autocast(out.device.type)
-            guard.first_call()
-        out.backward(torch.full_like(out, self.window.inv_every))  # as (loss / every).backward(), bit for bit
+        if done is not None:
+            return self._complete(out, boundary, *done)
         self.step += 1
         self.pending = pending + 1
         detached = out.detach()
@@ -189,12 +194,17 @@ class Accumulator:
         try:
             with ctx:
                 out = wrapped(*args, **kwargs)
-                return self._finish(out, boundary)
+                done = self._backward_of(out, boundary)
         finally:
             current_step.reset(token)
+        return self._complete(out, boundary, *done)
 
-    def _finish(self, out: Any, boundary: bool) -> Any:
-        """Check the call's result, weigh it and run its backward; count; apply the window at a boundary."""
+    def _backward_of(self, out: Any, boundary: bool) -> tuple[torch.Tensor, Any, Keep, Any]:
+        """Check the call's result, weigh it and run its backward.
+
+        Returns ``(detached loss, num_items, keep, work)``: ``work`` is the item count's all-reduce in
+        flight (a boundary call of several ranks), or None.
+        """
         window = self.window
         loss, n = window.parse(out)
         first = self.pending == 0
@@ -219,10 +229,16 @@ class Accumulator:
                 window.set_count(count)
         if window.check_losses:  # checked for NaN/inf at the boundary, in one go
             window.keep_loss(detached, keep)
-        self._backward(target, keep, weight)
+        self.window.backward(target, keep, weight, self.updater.scaler)
+        return detached, n, keep, work
+
+    def _complete(
+        self, out: Any, boundary: bool, detached: torch.Tensor, n: Any, keep: Keep, work: Any
+    ) -> Any:
+        """Count the call whose backward ran; apply the window at a boundary; return what the call returns."""
         self._counted(boundary)
         if self.updater.hooks:
-            window.log_call(detached, n, keep)
+            self.window.log_call(detached, n, keep)
         self.guard.note()  # the version checks compare with it
         if boundary:
             if work is not None:
@@ -246,7 +262,7 @@ class Accumulator:
         self.is_boundary = boundary
         token = current_step.set(self)
         try:
-            loss, n, out = micro.run(self, wrapped, args, kwargs, split)
+            loss, n, out = micro.run(self.host, wrapped, args, kwargs, split)
         finally:
             current_step.reset(token)
         window = self.window
@@ -267,73 +283,7 @@ class Accumulator:
                 self._update(synced=True)
         return result_of(out, loss, n)
 
-    def _backward(self, target: torch.Tensor, keep: Keep, weight: float = 1.0) -> None:
-        """Backward of ``target * weight``, scaled for the GradScaler if any; ``keep``: see ``keep_of``.
-
-        Without a scaler or a mask, ``weight`` goes in as backward's output gradient, a new tensor of
-        ``target``'s shape, dtype and device: what ``(target * weight).backward()`` sends into the graph, bit
-        for bit, with one op and one autograd node fewer per micro-step. It is made on every call, as
-        backward's own ``ones_like`` is: autograd may hand it on as a parameter's ``.grad`` (a loss that is a
-        view of a parameter) or to a backward that edits its input.
-        """
-        scaler = self.updater.scaler
-        if scaler is None and keep is None:  # the common case
-            target.backward(None if weight == 1.0 else torch.full_like(target, weight))
-            return
-        if weight != 1.0:
-            target = target * weight
-        if scaler is not None:
-            target = scaler.scale(target)
-        if keep is None:  # every gradient counts: the plain backward
-            target.backward()
-        else:
-            self.mask.backward(target, keep, self.params.all(), single=self.sync.kind is SyncKind.SINGLE)
-
-    # ------------------------------------------------------- what the micro-batcher uses (MicroBatchHost)
-    def parse(self, out: Any) -> tuple[torch.Tensor, Any]:
-        """Check a call's result; return ``(loss, num_items)`` (see :meth:`Window.parse`)."""
-        return self.window.parse(out)
-
-    def backward_micro(self, loss: torch.Tensor, n: Any, weight: float, *, first_piece: bool) -> Keep:
-        """Weigh and run one micro-batch's backward; return which of its gradients count (see ``keep_of``).
-
-        ``weight``: the micro-batch's share of the call's rows (a mean loss); ``first_piece``: the call's
-        first micro-batch (with an empty window, its item count is the window's weight reference).
-        """
-        keep: Keep = None
-        if first_piece and self.pending == 0:
-            self.guard.first_call()
-        if n is None:
-            target, scale = loss, weight * self.window.inv_every
-        else:
-            first = self.pending == 0 and first_piece
-            (target, keep), scale = self.window.weigh_items(loss, n, first=first), 1.0
-        if self.updater.scaler is None:
-            check_outer_autocast(loss.device.type)
-        self._backward(target, keep, scale)
-        return keep
-
-    def piece_context(self, last: bool) -> AbstractContextManager[Any]:
-        """The context one micro-batch runs in: gradient sync only where its strategy needs it (FSDP2: the
-        last micro-batch of a boundary call; DDP: never, the boundary call reduces once after them)."""
-        return self.sync.piece_step(self.is_boundary or self.passes.closes, last)
-
-    def retry_allowed(self, backwards: int) -> bool:
-        """Whether a call that ran out of memory may run again at a smaller size (see ``GradSync``)."""
-        return self.sync.retry_allowed(backwards)
-
-    def trainable(self) -> list[torch.Tensor]:
-        """The optimizers' parameters, in optimizer then param-group order."""
-        return self.params.all()
-
-    def window_counts(self) -> tuple[float, torch.Tensor | None, Any]:
-        """The open window's item counts and weight reference."""
-        return self.window.counts()
-
-    def restore_counts(self, snapshot: tuple[float, torch.Tensor | None, Any]) -> None:
-        """Put back what :meth:`window_counts` returned."""
-        self.window.restore_counts(snapshot)
-
+    # ---------------------------------------------------------------------------------------- update
     def drop_window(self) -> int:
         """Close the window without an update, as a failed update does: gradients to None, counters reset.
 
@@ -344,7 +294,6 @@ class Accumulator:
         self._close_window()
         return dropped
 
-    # ---------------------------------------------------------------------------------------- update
     def _update(self, *, synced: bool, before: bool = False) -> None:
         """Apply the window; ``before``: tell the gradient sync first (``GradSync.before_update``), as a
         boundary call does. Whatever fails (the optimizer, the scheduler, a warning turned error), the window

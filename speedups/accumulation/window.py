@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from speedups.accumulation.checks import check_result
-from speedups.accumulation.grad_sync import GradSync, count_dtype
+from speedups.accumulation.grad_sync import GradSync, SyncKind, count_dtype
 from speedups.accumulation.output import as_loss_and_items
-from speedups.accumulation.zero_items import Keep, keep_of
+from speedups.accumulation.parameters import StepParameters
+from speedups.accumulation.zero_items import GradMask, Keep, keep_of
 from speedups.errors import SpeedupsError
 
 __all__ = ["ITEMS", "MEAN", "Mode", "Window"]
@@ -48,10 +49,12 @@ class Window:
         log: per call ``(loss or loss * items, items)``, kept while an ``on_update`` hook is registered.
     """
 
-    def __init__(self, every: int, sync: GradSync, *, check_losses: bool) -> None:
+    def __init__(self, every: int, sync: GradSync, params: StepParameters, *, check_losses: bool) -> None:
         self.every = every
         self.inv_every = 1.0 / every
         self.sync = sync
+        self.params = params
+        self.mask = GradMask()  # drops the gradients of zero-item micro-steps (see .zero_items)
         self.check_losses = check_losses
         self.mode: Mode | None = None
         self.total_host = 0.0
@@ -106,6 +109,29 @@ class Window:
         else:
             self.total_host += float(n)
             self.host_items = self.host_items or n > 0
+
+    def backward(self, target: torch.Tensor, keep: Keep, weight: float, scaler: Any) -> None:
+        """Backward of ``target * weight``, scaled for the GradScaler ``scaler`` if any; ``keep``: which
+        gradients count (see ``keep_of``).
+
+        Without a scaler or a mask, ``weight`` goes in as backward's output gradient, a new tensor of
+        ``target``'s shape, dtype and device: what ``(target * weight).backward()`` sends into the graph, bit
+        for bit, with one op and one autograd node fewer per micro-step. It is made on every call, as
+        backward's own ``ones_like`` is: autograd may hand it on as a parameter's ``.grad`` (a loss that is a
+        view of a parameter) or to a backward that edits its input.
+        """
+        if scaler is None and keep is None:  # the common case
+            target.backward(None if weight == 1.0 else torch.full_like(target, weight))
+            return
+        if weight != 1.0:
+            target = target * weight
+        if scaler is not None:
+            target = scaler.scale(target)
+        if keep is None:  # every gradient counts: the plain backward
+            target.backward()
+        else:
+            single = self.sync.kind is SyncKind.SINGLE
+            self.mask.backward(target, keep, self.params.all(), single=single)
 
     def keep_loss(self, detached: torch.Tensor, keep: Keep) -> None:
         """Keep a call's loss for the boundary's NaN/inf check (``skip_nonfinite`` on one process)."""
