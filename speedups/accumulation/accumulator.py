@@ -89,7 +89,10 @@ class Accumulator:
         self.guard = Guard(self, self.params, sync, self.updater, self.window, hooks=guard)
         self.host = MicroHost(self)  # what the micro-batcher uses of this step
         self.passes = EpochPass(sized=sync.kind is SyncKind.FSDP2)  # train_step.epoch(loader)
-        self.short = False  # whether a mid-window call may take the short path (see _short_allowed)
+        self.short = False  # whether a call may take the short path (see _short_allowed)
+        self.inv_every = 1.0 / every  # a bare mean loss's weight
+        self.hooks = self.updater.hooks  # the on_update hooks (the update's dict, read on every call)
+        self.sync_before = type(sync).before_update is not GradSync.before_update  # data parallel only
         self.compile_checks = not _left_to_eager()  # an older torch: each call asks whether it is traced
 
     def wraps(self, fn: Callable[..., Any], body: Callable[..., Any]) -> None:
@@ -101,10 +104,9 @@ class Accumulator:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """The wrapt wrapper: one micro-step. The common case whole; any other in :meth:`_call`."""
-        pending = self.pending
-        if not (self.short and OWNERSHIP.open_count == (1 if pending else 0)):
+        if not self.short:
             return self._call(wrapped, instance, args, kwargs)
-        guard = self.guard
+        pending, guard = self.pending, self.guard
         token = current_step.set(self)  # mixed_precision entered in the call finds the step
         try:
             if token.old_value is self:
@@ -113,19 +115,17 @@ class Accumulator:
                 guard.between_calls()  # a backward() or zero_grad() by hand since the last call?
             else:
                 guard.start_window()  # once a window: drop gradients no step made
-            OWNERSHIP.last = guard.token
             self.is_boundary = boundary = pending + 1 == self.every
             out = (self.fn if wrapped is self.body else wrapped)(*args, **kwargs)
             if type(out) is not torch.Tensor or out.dim() or out.grad_fn is None or out.is_complex():
                 done = self._backward_of(out, boundary)  # another form, or a bad result: checked there
             else:
                 done = None
-                if pending:
-                    guard.inside_call()  # a backward() inside the step?
-                else:  # once a window: an outer fp16 autocast, a backward() inside the step
+                if not pending:  # once a window: an outer fp16 autocast, a backward() inside the step
                     check_outer_autocast(out.device.type)
                     guard.first_call()
-                out.backward(torch.full_like(out, self.window.inv_every))  # (loss / every).backward()'s
+                out.backward(torch.full_like(out, self.inv_every))  # what (loss / every).backward() sends
+                guard.noted_after()  # and a backward() inside the step, found by the version it added
         finally:
             current_step.reset(token)
         if done is not None:
@@ -133,9 +133,8 @@ class Accumulator:
         self.step += 1
         self.pending = pending + 1
         detached = out.detach()
-        if self.updater.hooks:
+        if self.hooks:
             self.window.log_call(detached, None, None)
-        guard.note()
         if boundary:
             self._update(synced=True, before=True)
         elif not pending:
@@ -173,9 +172,10 @@ class Accumulator:
             self.short = self._short_allowed()
 
     def _short_allowed(self) -> bool:
-        """Whether the next mid-window calls may take the short path of :meth:`__call__`."""
+        """Whether the next calls may take the short path of :meth:`__call__`."""
         return (
-            self.every > 1
+            self.guard.alone
+            and self.every > 1
             and self.micro is None
             and not self.compile_checks
             and self.sync.kind is SyncKind.SINGLE
@@ -237,7 +237,7 @@ class Accumulator:
     ) -> Any:
         """Count the call whose backward ran; apply the window at a boundary; return what the call returns."""
         self._counted(boundary)
-        if self.updater.hooks:
+        if self.hooks:
             self.window.log_call(detached, n, keep)
         self.guard.note()  # the version checks compare with it
         if boundary:
@@ -302,13 +302,14 @@ class Accumulator:
         record = None
         try:
             self.params.all()  # a param group edited during the window is seen (and checked) here
-            if before:
+            if before and self.sync_before:
                 self.sync.before_update(self.params.all)
             record = self.updater.apply(self.window, self.step, self.pending, synced)
         finally:
             self.updater.zero_grad()
             self._close_window()
-        self.updater.after(record)
+        if record is not None:
+            self.updater.after(record)
 
     def _close_window(self) -> None:
         self.guard.close_window()
@@ -317,6 +318,10 @@ class Accumulator:
 
     def _params_changed(self, previous: set[int], params: list[torch.Tensor]) -> None:
         self.guard.params_changed(previous, params)
+
+    def company(self) -> None:
+        """Another step now lives in this process: leave the short path (the long one sets windows aside)."""
+        self.short = False
 
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
         """Take the GradScaler of a ``mixed_precision("fp16")`` entered in the call (see ``ScalerSink``)."""

@@ -40,6 +40,8 @@ class _Watched(Protocol):
     step: int
     pending: int
 
+    def company(self) -> None: ...
+
 
 class Guard:
     """The checks of one step's window; each mistake is warned once per step (a ``SpeedupsWarning``).
@@ -70,6 +72,7 @@ class Guard:
         self.token = next(_tokens)
         self.ran = False  # a call of the step ran
         self.born_after = OWNERSHIP.last  # the step that ran last when this one was made
+        self.alone = True  # the process's only live step (OWNERSHIP says: see set_alone)
         OWNERSHIP.add(self)
         if hooks:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
@@ -86,6 +89,20 @@ class Guard:
         """The ids of the step's parameters."""
         return self.params.ids()
 
+    def set_alone(self, alone: bool) -> None:
+        """OWNERSHIP says whether this is the process's only live step. Alone, its windows are not
+        registered (no other step sets them aside); with company, an open one is registered now and the
+        step leaves its short path (see ``Accumulator.company``)."""
+        if alone == self.alone:
+            return
+        self.alone = alone
+        if alone:
+            OWNERSHIP.closed(self)
+            return
+        if self.owner.pending or self.sync.zeroed:
+            OWNERSHIP.opened(self)
+        self.owner.company()
+
     # --------------------------------------------------------------------------------- each call
     def call_starts(self) -> None:
         """A call of the step starts (the short path stores :attr:`token` in ``OWNERSHIP.last`` itself)."""
@@ -94,7 +111,8 @@ class Guard:
 
     def window_opens(self) -> None:
         """The step's window opened: other steps set its gradients aside while they run."""
-        OWNERSHIP.opened(self)
+        if not self.alone:
+            OWNERSHIP.opened(self)
 
     def between_calls(self) -> None:
         """Mid-window, before the step's function runs: did anything change the window since its last call?"""
@@ -116,6 +134,24 @@ class Guard:
             grad = self.sentinel.grad
             if grad is not self.noted_grad or (grad is not None and grad_version(grad) != self.noted_version):
                 self._warn_changed(inside=True)
+
+    def noted_after(self) -> None:
+        """After the step's own backward (the short path, one process): :meth:`note`, warning first if the
+        sentinel's gradient grew by more than that backward's one accumulation, which a ``backward()``
+        inside the step's function adds (one read of the gradient per call instead of two)."""
+        sentinel = self.sentinel
+        if sentinel is None:
+            self.note()
+            return
+        grad = sentinel.grad
+        if grad is None:
+            self.noted_grad, self.noted_version = None, -1
+            return
+        version = grad_version(grad)
+        if grad is self.noted_grad and version > self.noted_version + 1 and self.watch:
+            self._warn_changed(inside=True)  # notes itself
+            return
+        self.noted_grad, self.noted_version = grad, version
 
     def note(self) -> None:
         """Remember the sentinel's gradient as it is now (its tensor and version counter), choosing the
@@ -192,7 +228,8 @@ class Guard:
 
     def close_window(self) -> None:
         """The window was applied or dropped: hold no gradient the update let go; watch afresh."""
-        OWNERSHIP.closed(self)
+        if not self.alone:
+            OWNERSHIP.closed(self)
         self.noted_grad, self.noted_version = None, -1
         if self.sentinel is not None:
             self.last_sentinel = self.sentinel
@@ -202,7 +239,8 @@ class Guard:
         """A checkpoint put a window of ``pending`` calls back: watch it afresh."""
         self.sentinel = None
         self.noted_grad, self.noted_version = None, -1
-        (OWNERSHIP.opened if pending else OWNERSHIP.closed)(self)
+        if not self.alone:
+            (OWNERSHIP.opened if pending else OWNERSHIP.closed)(self)
 
     def params_changed(self, previous: set[int], params: list[torch.Tensor]) -> None:
         """The optimizers' parameters changed: what other steps set aside is stale; warn once if parameters

@@ -11,7 +11,8 @@ hand-written loop drops them with ``netD.zero_grad()`` at the top of each iterat
 - a step whose window is closed holds no gradient; what another step's backward leaves on it is found when
   its next window starts, and dropped without a word, since another step ran in between (:attr:`last`).
 
-A one-step script pays nothing here but one attribute store per call.
+A one-step script pays nothing here: while a step is the process's only live one (:meth:`Guard.set_alone`),
+its windows are not registered at all; the steps still alive are told when a second one is made.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ class _Owner(Protocol):
 
     def known_params(self) -> list[torch.Tensor]: ...
     def owned_ids(self) -> set[int]: ...
+    def set_alone(self, alone: bool) -> None: ...
 
 
 class Ownership:
     """The live steps and those with an open window, held weakly; one per process (:data:`OWNERSHIP`).
 
     Attributes:
-        last: the token of the step whose call ran last (each call of a step stores its token; a step that
-            finds another's there knows another step ran since its own last call), None before any call.
+        last: the token of the step whose call ran last (each call of a step stores its token, but a step
+            alone, whose short path stores none; a step that finds another's there knows another step ran
+            since its own last call), None before any call.
     """
 
     def __init__(self) -> None:
@@ -47,14 +50,23 @@ class Ownership:
         self.open_count = 0  # steps with an open window (a step that died open: until it is collected)
 
     def add(self, step: _Owner) -> None:
-        """Register ``step`` (it leaves when it is collected)."""
+        """Register ``step`` (it leaves when it is collected); tell every live step whether it is alone."""
         self._steps.add(step)
         weakref.finalize(step, self._gone, id(step)).atexit = False
+        self._tell_alone()
 
     def _gone(self, key: int) -> None:
         self._open.pop(key, None)
         self.open_count = len(self._open)
         self.changed()
+        self._tell_alone()
+
+    def _tell_alone(self) -> None:
+        """Tell each live step whether it is the only one (alone, it registers no window: no other step
+        sets its gradients aside, and it sets aside none)."""
+        steps = list(self._steps)
+        for step in steps:
+            step.set_alone(len(steps) == 1)
 
     def opened(self, step: _Owner) -> None:
         """``step`` holds gradients of an open window (or gradients it gave, DDP after a flush).

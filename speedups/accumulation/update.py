@@ -66,6 +66,8 @@ class Update:
         # hooks by handle id: OrderedDicts, as torch's (a RemovableHandle holds them weakly)
         self.hooks: OrderedDict[int, Callable[[UpdateRecord], Any]] = OrderedDict()
         self.before_hooks: OrderedDict[int, Callable[[list[torch.Tensor]], Any]] = OrderedDict()
+        # Nothing to unscale, clip or check: an update is the optimizers' steps alone (no scaler yet).
+        self.plain = max_grad_norm is None and max_grad_value is None and not skip_nonfinite
 
     # ------------------------------------------------------------------------------------ the update
     def apply(self, window: Window, step: int, pending: int, synced: bool) -> UpdateRecord | None:
@@ -83,17 +85,23 @@ class Update:
         lrs = [g["lr"] for opt in self.optimizers for g in opt.param_groups] if self.hooks else None
         self.updating = True  # the optimizer steps below are this step's own: its guard lets them pass
         try:
-            stepped, self.last_grad_norm, self.probe = apply_update(
-                self.optimizers,
-                self.scaler,
-                self.max_grad_norm,
-                factor,
-                skip_nonfinite=self.skip_nonfinite,
-                params=self.params.norm_order,
-                probe=window.probe(),
-                max_grad_value=self.max_grad_value,
-                before_step=self._before_step if self.before_hooks else None,
-            )
+            # nothing but the optimizers' steps (a tensor factor, from device item counts, is never read)
+            if self.plain and type(factor) is float and factor == 1.0 and not self.before_hooks:
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                stepped, self.last_grad_norm, self.probe = True, None, None
+            else:
+                stepped, self.last_grad_norm, self.probe = apply_update(
+                    self.optimizers,
+                    self.scaler,
+                    self.max_grad_norm,
+                    factor,
+                    skip_nonfinite=self.skip_nonfinite,
+                    params=self.params.norm_order,
+                    probe=window.probe(),
+                    max_grad_value=self.max_grad_value,
+                    before_step=self._before_step if self.before_hooks else None,
+                )
         finally:
             self.updating = False
         self.last_step_skipped = not stepped
@@ -178,6 +186,7 @@ class Update:
                     f"@accumulate."
                 )
             self.scaler, self.stand_in = scaler, False
+            self.plain = False
         return self.scaler
 
     def _handed_over(self) -> dict[str, Any] | None:
@@ -197,6 +206,7 @@ class Update:
         scaler.load_state_dict(self.restored_scaler)
         scaler.scale(torch.zeros((), device=device))  # builds its scale tensor from the loaded state (lazy)
         self.scaler, self.stand_in, self.restored_scaler = scaler, True, None
+        self.plain = False
 
     def scaler_state(self) -> dict[str, Any] | None:
         """The GradScaler's state for a checkpoint (a loaded one still waiting for its scaler), or None."""

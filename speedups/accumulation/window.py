@@ -193,13 +193,17 @@ class Window:
         return self.total_device if not self.total_host else self.total_device + self.total_host
 
     def reset(self) -> None:
-        """Empty the window (its update was applied or dropped)."""
-        self.total_host = 0.0
-        self.total_device = None
-        self.host_items = False
-        self.losses = []
-        self.ref_n = 1.0
-        self.log = []
+        """Empty the window (its update was applied or dropped). The lists are replaced, not cleared: an
+        ``UpdateRecord`` keeps the last window's log."""
+        if self.mode is ITEMS:
+            self.total_host = 0.0
+            self.total_device = None
+            self.host_items = False
+            self.ref_n = 1.0
+        if self.losses:
+            self.losses = []
+        if self.log:
+            self.log = []
 
     # --------------------------------------------------------------------------------------- state
     def counts(self) -> tuple[float, torch.Tensor | None, Any]:

@@ -98,6 +98,28 @@ def test_another_steps_open_window_is_kept_whole_while_a_step_runs() -> None:
     assert g_step.num_updates == 1 and d_step.pending == 1
 
 
+def test_a_step_made_while_another_steps_window_is_open_sets_that_window_aside() -> None:
+    """A step alone registers no window (its short path); a second step made mid-window must still find it
+    open and set it aside while it runs, and a step that goes leaves the other alone again."""
+    G, D = _gan()
+    od, og = torch.optim.SGD(D.parameters(), 0.1), torch.optim.SGD(G.parameters(), 0.1)
+    d_step = accumulate(3, od)(lambda real, fake: _d_loss(D, real, fake))
+    (real, z), (real2, z2) = _gan_data(2)
+    d_step(real, G(z).detach())
+    d_step(real2, G(z2).detach())  # the short path, mid-window
+    window = [p.grad.clone() for p in D.parameters()]
+    g_step = accumulate(1, og)(lambda fake: _bce(D(fake), 1.0))  # made now, with D's window open
+    g_step(G(z))  # its backward runs through D
+    assert all(torch.equal(p.grad, w) for p, w in zip(D.parameters(), window, strict=True))
+    assert g_step.num_updates == 1 and d_step.pending == 2
+    del g_step
+    import gc
+
+    gc.collect()
+    d_step(real, G(z).detach())  # alone again: the window closes as usual
+    assert d_step.num_updates == 1 and all(p.grad is None for p in D.parameters())
+
+
 # ------------------------------------------------------------------------ a backward outside the step
 def test_gradients_no_step_made_are_dropped_at_a_window_start_with_one_warning() -> None:
     x, y = linear_data(16)
