@@ -3,6 +3,7 @@ inside it, and parameters added to a param group; each against the hand-written 
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -12,6 +13,13 @@ from torch import nn
 
 from speedups import SpeedupsError, SpeedupsWarning, accumulate, mixed_precision
 from tests._models import linear_data, mlp
+
+
+@pytest.fixture(autouse=True)
+def _steps_of_earlier_tests_gone() -> None:
+    """A step alone in its process takes the short path: earlier tests' steps must not linger (the
+    two-step cases here make their company themselves)."""
+    gc.collect()
 
 
 def _flat(*modules: nn.Module) -> torch.Tensor:
@@ -113,8 +121,6 @@ def test_a_step_made_while_another_steps_window_is_open_sets_that_window_aside()
     assert all(torch.equal(p.grad, w) for p, w in zip(D.parameters(), window, strict=True))
     assert g_step.num_updates == 1 and d_step.pending == 2
     del g_step
-    import gc
-
     gc.collect()
     d_step(real, G(z).detach())  # alone again: the window closes as usual
     assert d_step.num_updates == 1 and all(p.grad is None for p in D.parameters())
@@ -294,8 +300,10 @@ def test_an_open_window_changed_between_calls_is_warned_once(how: str) -> None:
     assert len(rec) == 1 and rec[0].filename == __file__
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one step (the short path)", "two steps"])
 @pytest.mark.parametrize("call", [1, 2], ids=["the window's first call", "a later call"])
-def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: int) -> None:
+def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: int, alone: bool) -> None:
+    other = None if alone else _steps_on(mlp(3, 8, 1))
     model = mlp(3, 8, 1)
     calls = [0]
 
@@ -307,10 +315,12 @@ def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: in
             out.sum().backward(retain_graph=True)
         return out.pow(2).mean()
 
+    assert step._acc().guard.alone is alone  # the path this case is about
     with pytest.warns(SpeedupsWarning, match=r"backward\(\) ran inside the step.*1/4") as rec:
         for _ in range(8):
             step(torch.randn(4, 3))
     assert len(rec) == 1 and rec[0].filename == __file__
+    del other
 
 
 def test_a_backward_inside_a_step_of_one_call_windows_is_exact_and_not_warned() -> None:
