@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpus_per_process
 from speedups._helpers.validate import short
-from speedups.data.persistence import EXACT, build_loader, has_per_epoch_state, unwrapped
+from speedups.data.persistence import EXACT, build_loader, unwrapped
 from speedups.data.rank_stream import splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
@@ -77,8 +77,7 @@ def fast_loader(
     keeps in its own globals lives on). ``loader.dataset`` and ``loader.sampler`` then wrap yours and read
     through (``.dataset``, ``.sampler``). Fresh workers each epoch where that cannot be matched: an
     ``IterableDataset`` (no index carries the seed), a dataset with ``set_epoch`` or wrapping one (its state
-    reaches only workers started after it). ``persistent_workers=True``/``False`` gives torch's own. With
-    ``sample_seeds=True`` and no ``generator=`` nothing depends on the base seed: torch's persistent workers.
+    reaches only workers started after it). ``persistent_workers=True``/``False`` gives torch's own.
 
     ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
     so random augmentation gives the same batches for any workers, world size or resume; the order becomes
@@ -179,11 +178,10 @@ def fast_loader(
         release_workers_at_exit()  # its workers ignore SIGTERM: never let the exit wait for them
         # torch's persistent workers draw their base seed once, where DataLoader's restarted workers draw it
         # every epoch: every later draw of the main process (the next shuffle, the loop's own) would shift.
-        # EXACT keeps the workers and draws it every epoch (build_loader; fresh workers where it cannot). With
-        # per-sample seeds and no generator of the user's, nothing depends on it: torch's own persistence.
-        own_seeds = sample_seeds and dataloader_kwargs.get("generator") is None
-        plain = own_seeds and not has_per_epoch_state(dataset)
-        kwargs.setdefault("persistent_workers", True if plain else EXACT)
+        # EXACT keeps the workers and draws it every epoch (build_loader; fresh workers where it cannot), also
+        # with per-sample seeds: a worker's own streams (randomness in collate_fn), its get_worker_info().seed
+        # and worker_init_fn still follow the base seed there.
+        kwargs.setdefault("persistent_workers", EXACT)
         kwargs.setdefault("prefetch_factor", _default_prefetch(workers))
         method = start_method(kwargs.get("multiprocessing_context"))
         bad = unpicklable_for_workers(method, dataset, kwargs.get("collate_fn"), user_init)
