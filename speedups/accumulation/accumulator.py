@@ -86,6 +86,7 @@ class Accumulator:
             self.params, schedulers, max_grad_norm=max_grad_norm, max_grad_value=max_grad_value,
             skip_nonfinite=skip_nonfinite,
         )  # fmt: skip
+        self.alone = True  # the process's only live step (OWNERSHIP says, through the guard: see company)
         self.guard = Guard(self, self.params, sync, self.updater, self.window, hooks=guard)
         self.host = MicroHost(self)  # what the micro-batcher uses of this step
         self.passes = EpochPass(sized=sync.kind is SyncKind.FSDP2)  # train_step.epoch(loader)
@@ -104,9 +105,10 @@ class Accumulator:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """The wrapt wrapper: one micro-step. The common case whole; any other in :meth:`_call`."""
-        if not self.short:
-            return self._call(wrapped, instance, args, kwargs)
-        pending, guard = self.pending, self.guard
+        pending = self.pending
+        if not (self.short and (self.alone or OWNERSHIP.open_count == (1 if pending else 0))):
+            return self._call(wrapped, instance, args, kwargs)  # (with company: another window is open)
+        guard = self.guard
         token = current_step.set(self)  # mixed_precision entered in the call finds the step
         try:
             if token.old_value is self:
@@ -115,6 +117,8 @@ class Accumulator:
                 guard.between_calls()  # a backward() or zero_grad() by hand since the last call?
             else:
                 guard.start_window()  # once a window: drop gradients no step made
+            if not self.alone:
+                OWNERSHIP.last = guard.token
             self.is_boundary = boundary = pending + 1 == self.every
             out = (self.fn if wrapped is self.body else wrapped)(*args, **kwargs)
             if type(out) is not torch.Tensor or out.dim() or out.grad_fn is None or out.is_complex():
@@ -174,8 +178,7 @@ class Accumulator:
     def _short_allowed(self) -> bool:
         """Whether the next calls may take the short path of :meth:`__call__`."""
         return (
-            self.guard.alone
-            and self.every > 1
+            self.every > 1
             and self.micro is None
             and not self.compile_checks
             and self.sync.kind is SyncKind.SINGLE
@@ -319,9 +322,10 @@ class Accumulator:
     def _params_changed(self, previous: set[int], params: list[torch.Tensor]) -> None:
         self.guard.params_changed(previous, params)
 
-    def company(self) -> None:
-        """Another step now lives in this process: leave the short path (the long one sets windows aside)."""
-        self.short = False
+    def company(self, alone: bool) -> None:
+        """Whether this is the process's only live step. With company, the short path also stores the
+        step's token in ``OWNERSHIP.last`` and is taken only while no other step's window is open."""
+        self.alone = alone
 
     def adopt_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
         """Take the GradScaler of a ``mixed_precision("fp16")`` entered in the call (see ``ScalerSink``)."""

@@ -40,7 +40,7 @@ class _Watched(Protocol):
     step: int
     pending: int
 
-    def company(self) -> None: ...
+    def company(self, alone: bool) -> None: ...
 
 
 class Guard:
@@ -91,17 +91,16 @@ class Guard:
 
     def set_alone(self, alone: bool) -> None:
         """OWNERSHIP says whether this is the process's only live step. Alone, its windows are not
-        registered (no other step sets them aside); with company, an open one is registered now and the
-        step leaves its short path (see ``Accumulator.company``)."""
+        registered (no other step sets them aside); with company, an open one is registered now (see
+        ``Accumulator.company``)."""
         if alone == self.alone:
             return
         self.alone = alone
         if alone:
             OWNERSHIP.closed(self)
-            return
-        if self.owner.pending or self.sync.zeroed:
+        elif self.owner.pending or self.sync.zeroed:
             OWNERSHIP.opened(self)
-        self.owner.company()
+        self.owner.company(alone)
 
     # --------------------------------------------------------------------------------- each call
     def call_starts(self) -> None:

@@ -44,6 +44,7 @@ class Ownership:
 
     def __init__(self) -> None:
         self._steps: weakref.WeakSet[_Owner] = weakref.WeakSet()
+        self._refs: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: made once
         self._open: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: open windows
         self._foreign: dict[int, list[torch.Tensor]] = {}  # id(step) -> what it sets aside, until changed
         self.last: int | None = None
@@ -52,11 +53,13 @@ class Ownership:
     def add(self, step: _Owner) -> None:
         """Register ``step`` (it leaves when it is collected); tell every live step whether it is alone."""
         self._steps.add(step)
+        self._refs[id(step)] = weakref.ref(step)
         weakref.finalize(step, self._gone, id(step)).atexit = False
         self._tell_alone()
 
     def _gone(self, key: int) -> None:
         self._open.pop(key, None)
+        self._refs.pop(key, None)
         self.open_count = len(self._open)
         self.changed()
         self._tell_alone()
@@ -73,15 +76,18 @@ class Ownership:
 
         Called once a window (a dict entry): the step calls it only when its window was closed.
         """
-        self._open[id(step)] = weakref.ref(step)
+        key = id(step)
+        self._open[key] = self._refs[key]
         self.open_count = len(self._open)
-        self._foreign.clear()
+        if self._foreign:
+            self._foreign.clear()
 
     def closed(self, step: _Owner) -> None:
         """``step``'s window was applied or dropped: its parameters hold no gradient."""
         if self._open.pop(id(step), None) is not None:
             self.open_count = len(self._open)
-            self._foreign.clear()
+            if self._foreign:
+                self._foreign.clear()
 
     def changed(self) -> None:
         """Forget what was computed: a window opened or closed, a step went, or one's parameters changed."""
