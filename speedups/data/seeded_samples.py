@@ -10,9 +10,9 @@ persistent or not, any ``prefetch_factor`` or world size, and after a mid-epoch 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, ClassVar
 
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import IterableDataset
 
 from speedups._helpers.rng import (
     epoch_seed,
@@ -22,6 +22,7 @@ from speedups._helpers.rng import (
     seed_in_epoch,
     set_host_rng_states,
 )
+from speedups.data.read_through import ReadThrough
 
 __all__ = ["SAMPLE_KEY", "SeededSamples", "refuse_stream"]
 
@@ -29,7 +30,7 @@ SAMPLE_KEY = "speedups.sample_key"
 """The first element of a key ``(SAMPLE_KEY, index, epoch)``: it tells a key from an index of the user's."""
 
 
-class SeededSamples(Dataset):
+class SeededSamples(ReadThrough):
     """A map-style dataset whose item ``index`` of ``epoch`` is loaded with per-sample seeded RNGs.
 
     For each key ``(SAMPLE_KEY, index, epoch)`` (what :class:`~speedups.data.sample_keys.SampleKeys` hands
@@ -54,32 +55,12 @@ class SeededSamples(Dataset):
             may differ between ranks: ``distributed()`` keeps a given seed and replaces another with its own.
     """
 
-    _OWN = frozenset({"dataset", "samples_seed", "samples_seed_given"})
+    _OWN: ClassVar[frozenset[str]] = frozenset({"dataset", "samples_seed", "samples_seed_given"})
 
     def __init__(self, dataset: Any, samples_seed: int, samples_seed_given: bool = True) -> None:
         object.__setattr__(self, "dataset", dataset)
         object.__setattr__(self, "samples_seed", int(samples_seed))
         object.__setattr__(self, "samples_seed_given", samples_seed_given)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in self._OWN:  # unpickling: not set yet
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:  # the user's dataset state (``loader.dataset.train = False``) belongs to the user's dataset
-            setattr(self.dataset, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in self._OWN:
-            object.__delattr__(self, name)
-        else:
-            delattr(self.dataset, name)
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """Load a batch of keys; the host RNG states are saved before and restored after the whole batch."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import get_worker_info
 
 from speedups._helpers import compat
 from speedups._helpers.rng import numpy_or_none
+from speedups.data.read_through import ReadThrough
 
 __all__ = ["EPOCH_KEY", "WorkerReseeding", "is_epoch_key"]
 
@@ -30,7 +31,7 @@ def is_epoch_key(key: Any) -> bool:
     return type(key) is tuple and len(key) == 4 and isinstance(key[0], str) and key[0] == EPOCH_KEY
 
 
-class WorkerReseeding(Dataset):
+class WorkerReseeding(ReadThrough):
     """A map-style dataset whose loader worker reseeds itself at the first item of each new pass.
 
     Each key ``(EPOCH_KEY, index, pass, base_seed)`` loads ``dataset[index]`` (a key whose ``index`` is a
@@ -52,33 +53,13 @@ class WorkerReseeding(Dataset):
         worker_init_fn: the loader's ``worker_init_fn`` (None: none), called again at each new pass.
     """
 
-    _OWN = frozenset({"dataset", "worker_init_fn", "_pass"})
+    _OWN: ClassVar[frozenset[str]] = frozenset({"dataset", "worker_init_fn", "_pass"})
     _pass: int | None
 
     def __init__(self, dataset: Any, worker_init_fn: Callable[[int], object] | None = None) -> None:
         object.__setattr__(self, "dataset", dataset)
         object.__setattr__(self, "worker_init_fn", worker_init_fn)
         object.__setattr__(self, "_pass", None)  # the pass this (worker's copy of the) dataset last loaded
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in self._OWN:  # unpickling: not set yet
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:  # the user's dataset state belongs to the user's dataset
-            setattr(self.dataset, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in self._OWN:
-            object.__delattr__(self, name)
-        else:
-            delattr(self.dataset, name)
 
     def __getitems__(self, keys: Any) -> list[Any]:
         """Load a batch: a batch key, a list of keys (of one pass), or plain indices."""
