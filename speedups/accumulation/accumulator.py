@@ -25,7 +25,7 @@ import torch
 
 from speedups._helpers import compat
 from speedups._helpers.step_context import current_step
-from speedups.accumulation.checks import check_outer_autocast, refuse_reentry
+from speedups.accumulation.checks import check_outer_autocast, refuse_freed_graph, refuse_reentry
 from speedups.accumulation.epoch_pass import EpochPass
 from speedups.accumulation.grad_sync import GradSync, SyncKind
 from speedups.accumulation.guard import Guard
@@ -128,7 +128,11 @@ class Accumulator:
                 if not pending:  # once a window: an outer fp16 autocast, a backward() inside the step
                     check_outer_autocast(out.device.type)
                     guard.first_call()
-                out.backward(torch.full_like(out, self.inv_every))  # what (loss / every).backward() sends
+                try:
+                    out.backward(torch.full_like(out, self.inv_every))  # what (loss / every).backward() sends
+                except RuntimeError as err:
+                    refuse_freed_graph(err, self.step)  # a loss.backward() left in the step: the fix
+                    raise
                 guard.noted_after()  # and a backward() inside the step, found by the version it added
         finally:
             current_step.reset(token)
@@ -232,7 +236,11 @@ class Accumulator:
                 window.set_count(count)
         if window.check_losses:  # checked for NaN/inf at the boundary, in one go
             window.keep_loss(detached, keep)
-        self.window.backward(target, keep, weight, self.updater.scaler)
+        try:
+            self.window.backward(target, keep, weight, self.updater.scaler)
+        except RuntimeError as err:
+            refuse_freed_graph(err, self.step)
+            raise
         return detached, n, keep, work
 
     def _complete(

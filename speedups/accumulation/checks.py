@@ -26,6 +26,7 @@ __all__ = [
     "check_outer_autocast",
     "check_result",
     "refuse_reentry",
+    "refuse_freed_graph",
     "warn_skipped",
 ]
 
@@ -230,6 +231,25 @@ def refuse_reentry(step: int, pending: int, every: int) -> None:
         f"apply the window in the middle of the outer one. Call the step once per micro-batch, from the "
         f"loop; to reuse its loss code inside it, call a plain (undecorated) function."
     )
+
+
+def refuse_freed_graph(err: RuntimeError, step: int) -> None:
+    """Raise a ``SpeedupsError`` with the fix when ``err`` is torch's "backward through the graph a second
+    time" from the step's own backward: the step's function ran ``loss.backward()`` itself (a migrated
+    loop's leftover). Return for any other error (the caller re-raises it).
+
+    Raises:
+        SpeedupsError: ``err`` says the graph was already freed.
+    """
+    if "backward through the graph a second time" not in str(err):
+        return
+    raise SpeedupsError(
+        f"accumulate: the step's backward found the loss's graph already freed (micro-step {step + 1}): the "
+        f"step's function ran `loss.backward()` itself. @accumulate runs the backward, weighted 1/N: remove "
+        f"the backward() call and return the loss (with several losses, return their sum: `aux.backward(); "
+        f"return main` becomes `return main + aux`). Nothing of this micro-step was counted; the gradients "
+        f"its backward() left are dropped when the next window starts."
+    ) from err
 
 
 def check_outer_autocast(device_type: str) -> None:

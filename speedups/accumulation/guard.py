@@ -271,7 +271,10 @@ class Guard:
                 f"window's gradients, weighted 1 instead of 1/{owner.every}"
                 f"{' and without the fp16 loss scale' if self.updater.scaler is not None else ''}"
             )
-            fix = "return the sum instead: `aux.backward(); return main` becomes `return main + aux`"
+            fix = (
+                "remove the backward() and return the loss (@accumulate runs the backward); with several "
+                "losses, return their sum: `aux.backward(); return main` becomes `return main + aux`"
+            )
         else:
             what = (
                 f"the open window's gradients changed between the previous call of the step and this one "

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from speedups.accumulation.checks import check_outer_autocast
+from speedups.accumulation.checks import check_outer_autocast, refuse_freed_graph
 from speedups.accumulation.epoch_pass import EpochPass
 from speedups.accumulation.grad_sync import GradSync
 from speedups.accumulation.guard import Guard
@@ -26,6 +26,7 @@ __all__ = ["MicroHost"]
 
 
 class _Step(Protocol):
+    step: int
     pending: int
     is_boundary: bool
     sync: GradSync
@@ -64,7 +65,11 @@ class MicroHost:
             (target, keep), scale = window.weigh_items(loss, n, first=step.pending == 0 and first_piece), 1.0
         if step.updater.scaler is None:
             check_outer_autocast(loss.device.type)
-        window.backward(target, keep, scale, step.updater.scaler)
+        try:
+            window.backward(target, keep, scale, step.updater.scaler)
+        except RuntimeError as err:
+            refuse_freed_graph(err, step.step)
+            raise
         return keep
 
     def piece_context(self, last: bool) -> AbstractContextManager[Any]:

@@ -204,6 +204,36 @@ def test_a_backward_inside_the_step_is_warned_once_and_the_sum_is_exact(fp16: bo
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 if fp16 else 1e-6)
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one step (the short path)", "two steps"])
+@pytest.mark.parametrize("call", [1, 2], ids=["the window's first call", "a later call"])
+def test_a_loss_backward_left_in_the_step_is_refused_with_the_fix_and_nothing_counted(
+    call: int, alone: bool
+) -> None:
+    """The migration leftover `loss.backward(); return loss`: torch's "backward through the graph a second
+    time" (whose retain_graph=True advice would train wrong) becomes the fix; the call counts nothing."""
+    other = None if alone else _steps_on(mlp(3, 8, 1))
+    model = mlp(3, 8, 1)
+    calls = [0]
+
+    @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
+    def step(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        loss = model(x).pow(2).mean()
+        if calls[0] == call:
+            loss.backward()  # the leftover
+        return loss
+
+    for _ in range(call - 1):
+        step(torch.randn(4, 3))
+    weights = _flat(model).clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpeedupsWarning)  # the inner-backward warning comes first
+        with pytest.raises(SpeedupsError, match=r"ran `loss.backward\(\)` itself.*remove the backward\(\)"):
+            step(torch.randn(4, 3))
+    assert step.step == call - 1 and step.pending == call - 1 and torch.equal(_flat(model), weights)
+    del other
+
+
 def test_autograd_grad_inside_the_step_is_not_a_backward() -> None:
     """A gradient penalty (torch.autograd.grad with create_graph) leaves no .grad: nothing to warn about."""
     model = mlp(3, 8, 1)
