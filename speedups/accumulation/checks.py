@@ -55,6 +55,12 @@ def check_arguments(
             scheduler of an optimizer not given; ``max_grad_norm`` or ``max_grad_value`` not a positive
             finite number, or both given.
     """
+    if isinstance(every, torch.optim.Optimizer):
+        raise TypeError(
+            f"accumulate({type(every).__name__}(...), {short(optimizer)}): the arguments are swapped; the "
+            f"window (micro-steps per optimizer step) comes first. Write accumulate({short(optimizer)}, "
+            f"optimizer)."
+        )
     with validate.arguments(f"accumulate({short(every)}, optimizer, ...)"):
         every = validate.integer(every, "every", minimum=1, example="4")
         optimizers = _optimizers(optimizer, every)

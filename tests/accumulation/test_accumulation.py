@@ -370,6 +370,9 @@ def test_bad_arguments_are_rejected_at_decoration() -> None:
         accumulate(4, opt, max_grad_norm="1")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"model=.*torch.nn.Module"):
         accumulate(4, opt, model=opt)  # type: ignore[arg-type]
+    swapped = r"accumulate\(SGD\(...\), 4\): the arguments are swapped.*accumulate\(4, opt"
+    with pytest.raises(TypeError, match=swapped):
+        accumulate(opt, 4)  # type: ignore[arg-type]
 
 
 def test_a_scheduler_of_another_optimizer_is_refused_at_decoration() -> None:
