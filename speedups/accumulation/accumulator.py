@@ -4,16 +4,17 @@ The :class:`Accumulator` is the wrapt wrapper of a decorated step. It counts mic
 runs each call; the rest belongs to objects it holds, each in a file of its own: the open window's weighing
 and counts (:mod:`.window`), the optimizer update with its GradScaler and hooks (:mod:`.update`), the checks
 against gradients the step did not make (:mod:`.guard`), the parameters (:mod:`.parameters`), the
-checkpoint state's checks and merge (:mod:`.state`). Two more are strategies chosen once when decorating:
+checkpoint state's checks and merge (:mod:`.state`), the ``epoch()`` passes (:mod:`.epoch_pass`), the
+micro-batcher's view of the step (:mod:`.micro_host`). Two more are strategies chosen once when decorating:
 how the gradients reach the other ranks (:mod:`.grad_sync`) and how one call runs as micro-batches
 (:mod:`.micro_batching`).
 
-:meth:`Accumulator.__call__` is the whole per-call path of the common case (mid-window, a bare mean loss,
-one process, no GradScaler, no micro-batching, no other step's window open): the user's function, one
-backward weighted ``1/every``, the counters, the update at the boundary. It costs a few attribute reads
-over a minimal decorator: what is rare (stray gradients, an outer fp16 autocast, the form of the result)
-is checked once per window, on the window's first call, which takes :meth:`Accumulator._call` with every
-other case.
+:meth:`Accumulator.__call__` is the whole per-call path of the common case (one process, a bare mean loss,
+no GradScaler, no micro-batching, no other step's window open): the user's function, one backward weighted
+``1/every``, the counters, the update at the boundary. It costs a few attribute reads over a minimal
+decorator: what is rare is checked once per window, on the window's first call (stray gradients, an outer
+fp16 autocast, a backward inside that call), or read from what the call touches anyway (the sentinel
+gradient's version). Every other case takes :meth:`Accumulator._call`, the long path.
 """
 
 from __future__ import annotations
