@@ -361,3 +361,20 @@ def test_ddp_wrap_of_a_model_on_the_meta_device_is_a_clear_error() -> None:
         ValueError, match=r"ddp_wrap\(model=Linear, device='cpu'\): the model is on the meta.*to_empty"
     ):
         ddp_wrap(torch.nn.Linear(2, 2, device="meta"), device="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_two_process_gloo_script_exits_0_every_time_with_or_without_destroy_distributed() -> None:
+    """gloo's threads freeing the last collective's work while Python finalises aborted the exit (plain
+    PyTorch too, destroy_process_group() or not); speedups ends the group it started at exit."""
+    from tests._dist import ROOT, run_torchrun
+
+    script = ROOT / "tests" / "workers" / "exit_without_destroy.py"
+    failed = []
+    for run in range(20):
+        destroy = "1" if run % 4 == 3 else "0"  # 15 runs that leave the group open, 5 that end it
+        out = run_torchrun(script, env={"DESTROY": destroy}, timeout=120)
+        if out.returncode != 0:
+            failed.append(f"run {run} (DESTROY={destroy}): {out.returncode}: {out.stderr[-300:]}")
+    assert not failed, "\n".join(failed)
