@@ -38,7 +38,8 @@ def host_copy(payload: Any) -> Any:
     The copies go into the buffers of the previous call where shapes and dtypes match (call it only when no
     write still reads them: after :func:`wait`), so a run that saves the same state again pays a copy, not
     an allocation (fresh memory costs a page fault per 4 KiB, about as much again as the copy). The process
-    keeps that one host copy of the state between saves.
+    keeps that one host copy of the state between saves. A tensor no dense buffer can hold (sparse,
+    quantized, a subclass) gets a copy of its own, as a foreground save would write it.
 
     Sync points: one device synchronisation when the payload holds device tensors.
     """
@@ -49,6 +50,12 @@ def host_copy(payload: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         value = value.detach()
+        if value.layout != torch.strided or value.is_quantized or type(value) is not torch.Tensor:
+            # sparse (a sparse embedding's pending gradient), quantized, a subclass: no dense buffer holds
+            # it (copy_ into one raises or densifies); a copy of its own, as a foreground save writes it
+            if value.device.type != "cpu":
+                devices.add(value.device)
+            return value.to("cpu", copy=True)
         pinned = value.device.type == "cuda"
         host = next(old, None)
         if (

@@ -87,6 +87,114 @@ def test_the_previous_file_stays_until_the_new_one_is_complete_and_saves_run_in_
     assert gate.events[-1] == ("end", "d.pt")  # load_checkpoint waited for the write in flight
 
 
+def _frozen(value: object) -> object:
+    """A deep copy of a state (tensors cloned), to compare bit for bit with :func:`_same` later."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_frozen(v) for v in value]
+    return value
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two states are equal bit for bit (tensors: same dtype, shape and values; lists = tuples)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.layout != b.layout:
+            return False
+        if a.layout != torch.strided:  # sparse: the same indices and values
+            a, b = a.coalesce(), b.coalesce()
+            return _same([a.indices(), a.values()], [b.indices(), b.values()])
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _loop_state(model: nn.Module, opt: torch.optim.Optimizer, step: object) -> dict:
+    """What the loop holds: weights, pending gradients, optimizer and step state, frozen."""
+    grads = [None if p.grad is None else p.grad for p in model.parameters()]
+    return _frozen(
+        {
+            "model": model.state_dict(),
+            "grads": grads,
+            "optimizer": opt.state_dict(),
+            "step": step.state_dict(),
+        }
+    )
+
+
+def test_each_background_file_holds_its_own_save_while_the_write_before_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Save A is held in its thread; the weights change; save B is issued and must wait for A before it
+    copies (the host buffers A is writing from are the ones B reuses). The gate opens exactly when the loop
+    waits for the write in flight, so a copy taken before that wait (or with no wait) lands in A's file."""
+    gate = _Gate(monkeypatch)
+    release_on_wait = threading.Event()
+    real_wait = background.wait
+
+    def waiting() -> None:  # the loop now waits for the held write: let it finish
+        if release_on_wait.is_set():
+            gate.open.set()
+        real_wait()
+
+    monkeypatch.setattr(background, "wait", waiting)
+    model, opt, step = _trained(4)  # 2 updates, at a window boundary
+    a = _loop_state(model, opt, step)
+    save_checkpoint(tmp_path / "a.pt", model=model, optimizer=opt, step=step, background=True)
+    assert _same(_loop_state(model, opt, step), a)  # the save changed nothing of the loop's
+    for _ in range(3):  # 1 update and 1 pending micro-step while a.pt is held
+        step(torch.randn(5, 4))
+    assert gate.events == [("start", "a.pt")]  # a.pt is held
+    b = _loop_state(model, opt, step)
+    release_on_wait.set()
+    save_checkpoint(tmp_path / "b.pt", model=model, optimizer=opt, step=step, background=True)
+    assert _same(_loop_state(model, opt, step), b)
+    assert not _same(a["model"], b["model"]) and not _same(a["optimizer"], b["optimizer"])
+    assert b["step"]["pending"] == 1 and a["step"]["pending"] == 0
+    gate.open.set()  # (code that never waited for a.pt has not opened the gate yet)
+    real_wait()
+    for name, moment in (("a.pt", a), ("b.pt", b)):
+        held = torch.load(tmp_path / name, weights_only=True)
+        for key in ("model", "optimizer", "step"):
+            assert _same(held[key], moment[key]), f"{name}[{key!r}] is not the state at its save"
+    assert [e for e in gate.events if e[0] == "start"] == [("start", "a.pt"), ("start", "b.pt")]
+    assert gate.events.index(("end", "a.pt")) < gate.events.index(("start", "b.pt"))
+    assert _same(_loop_state(model, opt, step), b)  # the writes changed nothing of the loop's either
+    fresh, fresh_opt, fresh_step = _trained(0)
+    load_checkpoint(tmp_path / "a.pt", model=fresh, optimizer=fresh_opt, step=fresh_step)
+    assert _same(_loop_state(fresh, fresh_opt, fresh_step)["model"], a["model"])
+
+
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
+def test_sparse_state_is_written_in_the_background_as_it_was_at_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sparse embedding's pending gradient (and a sparse buffer) went through a dense host buffer:
+    ``copy_() between dense and sparse Tensors is not implemented``, raised on rank 0 alone."""
+    gate = _Gate(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 3, sparse=True)
+    model.register_buffer("mask", torch.eye(3).to_sparse())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = accumulate(2, opt)(lambda i: model(i).square().sum())
+    step(torch.tensor([1, 2]))  # mid-window: the pending gradient is sparse
+    moment = _loop_state(model, opt, step)
+    assert moment["step"]["grads"][0].layout == torch.sparse_coo
+    save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, step=step, background=True)
+    for _ in range(3):  # an update and another pending gradient while the write is held
+        step(torch.tensor([2, 5]))
+    gate.open.set()
+    background.wait()
+    held = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert all(_same(held[key], moment[key]) for key in ("model", "step"))
+    assert not _same(_loop_state(model, opt, step)["model"], moment["model"])
+
+
 def test_a_failed_background_write_is_said_at_once_and_raised_by_the_next_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
