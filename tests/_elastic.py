@@ -3,7 +3,9 @@
 ``run(every, out=..., save_at=..., resume=...)`` trains 2 epochs of a 48-sample dataset (random
 augmentation seeded per sample, so the same on any layout) with ``distributed(fast_loader(...))``, batch 4
 (``batch=``) per rank, ``@accumulate(every, model=)`` (DDP under a process group), SGD with momentum, a
-StepLR scheduler and ``LossTracker(all_ranks=True)``; no dropout. It saves after the micro-steps in
+StepLR scheduler and ``LossTracker(all_ranks=True)``; no dropout. ``batchnorm=True`` puts a ``BatchNorm1d``
+in the model: its output depends on the micro-batch as a whole, so another layout follows the run only with
+the saving layout's micro-batches. It saves after the micro-steps in
 ``save_at`` (``k<K>.pt`` in ``out``) and returns the final weights and counters. Used in-process by
 tests/checkpoint/test_layout_change.py and under torchrun by tests/workers/elastic_resume.py.
 """
@@ -46,9 +48,10 @@ class Noisy(Dataset):
         return self.x[i] + 0.1 * torch.randn(6), self.y[i]
 
 
-def build(every: int, items: bool = False, batch: int = BATCH) -> dict[str, Any]:
+def build(every: int, items: bool = False, batch: int = BATCH, batchnorm: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    norm = [nn.BatchNorm1d(16)] if batchnorm else []
+    model: nn.Module = nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
     if world_size() > 1:
         model = ddp_wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -66,9 +69,9 @@ def build(every: int, items: bool = False, batch: int = BATCH) -> dict[str, Any]
 
 def run(
     every: int, *, out: Path | None = None, save_at: tuple[int, ...] = (), resume: Path | None = None,
-    items: bool = False, batch: int = BATCH,
+    items: bool = False, batch: int = BATCH, batchnorm: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    state = build(every, items, batch)
+    state = build(every, items, batch, batchnorm)
     step, loader, tracker = state["step"], state["loader"], state["tracker"]
     start = 0 if resume is None else load_checkpoint(resume, **state)["epoch"]
     for epoch in range(start, EPOCHS):

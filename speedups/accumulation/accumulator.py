@@ -229,7 +229,7 @@ class Accumulator:
             target, weight = loss, window.inv_every
         else:
             (target, keep), weight = window.weigh_items(loss, n, first=first), 1.0
-            if boundary and self.sync.world > 1:
+            if boundary and self.sync.world > 1 and not self.sync.boundary_flushes:
                 # The global item count, all-reduced while backward runs: the step's one extra collective,
                 # launched before DDP's bucket all-reduces on every rank (the same order).
                 count = window.local_count(loss.device)
@@ -255,7 +255,10 @@ class Accumulator:
         if boundary:
             if work is not None:
                 work.wait()
-            self._update(synced=True, before=True)
+            if self.sync.boundary_flushes:  # gradients DDP did not see made: reduced from themselves
+                self.flush()
+            else:
+                self._update(synced=True, before=True)
         return detached if type(out) is torch.Tensor else result_of(out, detached, n)
 
     def _counted(self, boundary: bool) -> None:

@@ -89,7 +89,7 @@ def load_step_state(acc: _Step, state: dict[str, Any]) -> None:
     if acc.micro is not None:
         acc.micro.take_plan(state.get("plan"))
     acc.guard.restored(pending)
-    acc.sync.restart()
+    acc.sync.restart(pending)
 
 
 def check_state(state: Any, every: int, params: Sequence[torch.Tensor], modes: tuple[str, ...]) -> None:

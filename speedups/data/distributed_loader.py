@@ -148,7 +148,9 @@ class DistributedLoader(DataLoader):
         without touching the global RNG; None at an epoch boundary, where the next pass draws afresh as an
         uninterrupted run does), ``generator`` (the state of the loader's ``generator``, or None), and the
         layout a resume on another number of processes needs: ``batch_size``, ``rank_samples`` (this rank's
-        samples per epoch, padding included), ``drop_last`` and ``samples`` (the dataset's length).
+        samples per epoch, padding included), ``drop_last``, ``samples`` (the dataset's length) and
+        ``emulate`` (``[world, batch]`` of the layout whose micro-batches it deals after such a resume, or
+        None: see ``RankSampler.emulate``).
         """
         epoch, batches = (
             self._current if self._current is not None else (self._next_epoch, self._resume_batches)
@@ -156,6 +158,7 @@ class DistributedLoader(DataLoader):
         keep_seed = self._current is not None or self._workers_started or self._replay_seed is not None
         seed = self._replay_seed if self._replay_seed is not None else self._seed_state
         sampler = self.distributed_sampler
+        emulated = sampler.emulated if isinstance(sampler, RankSampler) else None
         return {
             "epoch": epoch,
             "batches": batches,
@@ -167,6 +170,7 @@ class DistributedLoader(DataLoader):
             "rank_samples": int(sampler.num_samples),
             "drop_last": self._drop_last(),
             "samples": len(self.dataset),  # type: ignore[arg-type]
+            "emulate": list(emulated) if emulated else None,
         }
 
     def _drop_last(self) -> bool:
@@ -184,12 +188,17 @@ class DistributedLoader(DataLoader):
         if not same and not all(_same_generator_state(seed, other) for other in seeds):
             seed = None  # the ranks' workers drew from their own streams: the new layout draws afresh
         here = self.state_dict()
+        # The micro-batches the saving layout made (or the one it emulated itself), kept on this layout, so a
+        # model whose output depends on the whole micro-batch follows the run that never stopped.
+        world, batch = own.get("emulate") or (change.saved_world, own.get("batch_size", here["batch_size"]))
+        emulate = [world, batch] if batch == here["batch_size"] and world != change.world else None
         return {
             **here,
             "epoch": own["epoch"],
             "batches": own["batches"] if change.batches is None else change.batches,
             "seed_state": seed,
             "generator": own.get("generator"),
+            "emulate": emulate,
         }
 
     def _check_state(self, state: Any) -> None:
@@ -197,6 +206,7 @@ class DistributedLoader(DataLoader):
         said = "DistributedLoader.load_state_dict(state)"
         required = {"epoch", "batches", "world_size", "rank"}
         optional = {"seed_state", "generator", "batch_size", "rank_samples", "drop_last", "samples"}
+        optional.add("emulate")
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -207,6 +217,16 @@ class DistributedLoader(DataLoader):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{said}: state[{key!r}]={value!r}, expected an int >= 0.")
+        emulate = state.get("emulate")
+        if emulate is not None and not (
+            isinstance(emulate, (list, tuple))
+            and len(emulate) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in emulate)
+        ):
+            raise ValueError(
+                f"{said}: state['emulate']={emulate!r}, expected None or [world, batch], two ints >= 1. "
+                f"Pass what DistributedLoader.state_dict() returned."
+            )
         samples, size = self.distributed_sampler.num_samples, self._batch_size()
         drop_last = self._drop_last()
         per_epoch = samples // size if drop_last else -(-samples // size)
@@ -255,6 +275,10 @@ class DistributedLoader(DataLoader):
             SpeedupsError: an iterator of this loader is still running (load before the loop).
         """
         self._check_state(state)
+        sampler = self.distributed_sampler
+        if isinstance(sampler, RankSampler):
+            emulate = state.get("emulate")
+            sampler.emulate(*emulate) if emulate else sampler.emulate(None)
         self._next_epoch, self._resume_batches = int(state["epoch"]), int(state["batches"])
         self._current = None
         self._replay_seed = None if state.get("seed_state") is None else state["seed_state"].clone()

@@ -57,14 +57,20 @@ def test_one_process_resumes_with_another_batch_and_accumulation(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_processes_resume_on_one_with_the_accumulation_doubled(tmp_path: Path) -> None:
-    _torchrun(str(tmp_path), "2", "save", "1,3,6,7")  # 2 x accumulate(2) x 4: 16 samples per step
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["per-sample model", "batch norm"])
+def test_two_processes_resume_on_one_with_the_accumulation_doubled(tmp_path: Path, batchnorm: bool) -> None:
+    """With batch norm the output depends on the whole micro-batch: the resumed run deals the saving
+    layout's micro-batches (2 ranks' batches of 4), not its own (one process's batches of 4 of the same
+    global order), or the weights leave the run that never stopped (0.5 away here)."""
+    flag = ["batchnorm"] if batchnorm else []
+    _torchrun(str(tmp_path), "2", "save", "1,3,6,7", *flag)  # 2 x accumulate(2) x 4: 16 samples per step
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert two["updates"] == 6 and two["micro_steps"] == 12
-    _close(run(4), two, "1 x accumulate(4), uninterrupted")  # the same training on one process
+    if not batchnorm:  # the same training on one process (its own micro-batches: the same samples)
+        _close(run(4), two, "1 x accumulate(4), uninterrupted")
     for k in (1, 3, 6, 7):  # mid-window, mid-window and mid-epoch, end of epoch 0, mid-window in epoch 1
         with pytest.warns(SpeedupsWarning, match="saved with 2 processes, resumed on 1; each rank keeps its"):
-            got = run(4, resume=tmp_path / f"k{k}.pt")
+            got = run(4, resume=tmp_path / f"k{k}.pt", batchnorm=batchnorm)
         _close(got, two, f"2 processes saved after micro-step {k}, 1 process resumed")
         assert got["micro_steps"] == 24
     with pytest.raises(
@@ -78,10 +84,12 @@ def test_two_processes_resume_on_one_with_the_accumulation_doubled(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
-def test_one_process_resumes_on_two_with_the_accumulation_halved(tmp_path: Path, items: bool) -> None:
-    one = run(4, out=tmp_path, save_at=(1, 2, 6, 13), items=items)
-    _torchrun(str(tmp_path), "2", "resume", "1,2,6,13", *(["items"] if items else []))
+@pytest.mark.parametrize("items", [False, True, "batchnorm"], ids=["mean", "items", "mean, batch norm"])
+def test_one_process_resumes_on_two_with_the_accumulation_halved(tmp_path: Path, items: bool | str) -> None:
+    batchnorm, items = items == "batchnorm", items is True
+    one = run(4, out=tmp_path, save_at=(1, 2, 6, 13), items=items, batchnorm=batchnorm)
+    flags = (["items"] if items else []) + (["batchnorm"] if batchnorm else [])
+    _torchrun(str(tmp_path), "2", "resume", "1,2,6,13", *flags)
     for k in (2, 6):  # half a window in epoch 0; 8 samples into the second window
         _close(torch.load(tmp_path / f"two-from-{k}.pt", weights_only=True), one, f"resumed after {k}")
     for k in (1, 13):  # 4 samples into a window: not a whole micro-step of 2 processes x batch 4

@@ -332,3 +332,42 @@ def test_with_sample_seeds_loading_draws_nothing_from_the_main_process_epoch_aft
     assert loader.persistent_workers is bool(workers)
     got = _epochs_and_draws(lambda epoch: loader)
     assert all(torch.equal(a, b) for a, b in zip(untouched, got[1::2], strict=True))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_rank_sampler_emulating_another_layout_deals_its_micro_batches(shuffle: bool) -> None:
+    """After a resume on another number of processes, each micro-batch keeps the saving layout's samples:
+    2 ranks' batches of 2 dealt in turn to 1 process, and 1 process's batches of 4 dealt to 2 ranks."""
+    from speedups.data.rank_sampler import RankSampler
+
+    data = list(range(32))
+    saved = []
+    for r in (0, 1):
+        s = DistributedSampler(data, num_replicas=2, rank=r, shuffle=shuffle, seed=5)
+        s.set_epoch(3)
+        saved.append(list(s))
+    one = RankSampler(data, num_replicas=1, rank=0, shuffle=shuffle, seed=5, even=True)
+    assert one.emulate(2, 2) and len(one) == 32 and one.emulated == (2, 2)
+    one.set_epoch(3)
+    got = list(one)
+    dealt = [saved[r][2 * k : 2 * k + 2] for k in range(8) for r in (0, 1)]  # rank 0's batch k, rank 1's
+    assert [got[i : i + 2] for i in range(0, 32, 2)] == dealt
+    one.start_at(6)  # a resumed position: 3 micro-batches in
+    assert list(one) == got[6:]
+
+    halves = [RankSampler(data, num_replicas=2, rank=r, shuffle=shuffle, seed=5, even=True) for r in (0, 1)]
+    for h in halves:
+        assert h.emulate(1, 4) and len(h) == 16
+        h.set_epoch(3)
+    single = RankSampler(data, num_replicas=1, rank=0, shuffle=shuffle, seed=5, even=True)
+    single.set_epoch(3)
+    batches = [list(single)[i : i + 4] for i in range(0, 32, 4)]
+    for r, h in enumerate(halves):
+        mine = list(h)
+        assert [mine[i : i + 4] for i in range(0, 16, 4)] == batches[r::2]
+
+    one.start_at(0)
+    assert not one.emulate(None) and one.emulated is None and len(one) == 32
+    odd = RankSampler(list(range(30)), num_replicas=1, rank=0, shuffle=shuffle, seed=5, even=True)
+    assert not odd.emulate(2, 4)  # each saved rank's 15 samples are not whole batches of 4: nothing changes
+    assert odd.emulated is None and len(odd) == 30

@@ -53,6 +53,9 @@ class GradSync:
     kind = SyncKind.SINGLE
     flush_averaged = False
     """Whether a flushed window's gradients are averaged over the ranks (FSDP2 synced it) or summed."""
+    boundary_flushes = False
+    """Whether the open window's boundary call is reduced as a flush is: its backward without sync, then
+    :meth:`sync_window` (DDP, for a window whose gradients its reducer did not see made)."""
 
     def __init__(self, world: int = 1, group: Any = None) -> None:
         self.world = world
@@ -112,8 +115,9 @@ class GradSync:
     def after_flush(self, params: Sequence[torch.Tensor]) -> None:
         """Called after the update of a flushed window (every rank calls it)."""
 
-    def restart(self) -> None:
-        """Forget any switched-off sync, after a checkpoint is loaded: the next window starts afresh."""
+    def restart(self, pending: int = 0) -> None:
+        """After a checkpoint is loaded, with ``pending`` calls of a window restored: forget any switched-off
+        sync (the next window starts afresh)."""
 
 
 class DataParallelSync(GradSync):

@@ -43,7 +43,7 @@ class DDPSync(DataParallelSync):
         self.stale: list[torch.Tensor] = []  # had a gradient in the flushed window, on this rank
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
-        return NULL_CONTEXT if boundary else self.model.no_sync()
+        return NULL_CONTEXT if boundary and not self.boundary_flushes else self.model.no_sync()
 
     def piece_step(self, boundary: bool, last: bool) -> AbstractContextManager[Any]:
         return self.model.no_sync()  # a split call's boundary reduces once, after its last micro-batch
@@ -67,6 +67,7 @@ class DDPSync(DataParallelSync):
         ``grad=None``, exactly as DDP leaves a parameter no rank used (so Adam does not move it). The others
         are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
         """
+        self.boundary_flushes = False  # the window is reduced now
         params = _trainable(params)
         device = params[0].device if params else torch.device("cpu")
         got = [self._got_grad(p) for p in params]
@@ -124,9 +125,13 @@ class DDPSync(DataParallelSync):
             if not used:
                 p.grad = None
 
-    def restart(self) -> None:
+    def restart(self, pending: int = 0) -> None:
+        """Also: a restored window's gradients were put on the parameters, not made by a backward DDP's
+        reducer saw, so a synchronised backward would reduce zeros (or nothing) for some of them (a branch one
+        rank took before the save): its boundary is reduced as a flush is, from the gradients themselves."""
         self._forget()
         self.stale = []
+        self.boundary_flushes = pending > 0
 
 
 def _trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

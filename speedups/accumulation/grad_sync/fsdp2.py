@@ -69,6 +69,6 @@ class FSDP2Sync(DataParallelSync):
         dist.all_reduce(count, group=self.group)
         return count
 
-    def restart(self) -> None:
+    def restart(self, pending: int = 0) -> None:
         self.sync_off = False
         self.model.set_requires_gradient_sync(True)
