@@ -30,7 +30,7 @@ from speedups.data.rank_stream import RankStream, splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.sampler_adoption import adopted, check_adoptable
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
-from speedups.data.workers import sheltered
+from speedups.data.workers import check_worker_init_fn, sheltered
 from speedups.errors import SpeedupsError
 
 __all__ = ["DistributedLoader", "distributed"]
@@ -442,8 +442,9 @@ def distributed(
         stream's, not checkpointed).
 
     Raises:
-        TypeError: ``loader`` is not a DataLoader, or holds a sampler that cannot be split across ranks
-            (weighted, subset, custom).
+        TypeError: ``loader`` is not a DataLoader, holds a sampler that cannot be split across ranks
+            (weighted, subset, custom), or has workers and a ``worker_init_fn`` they cannot call with the
+            worker id.
         ValueError: ``rank``/``world_size`` out of range, ``loader`` is already a :class:`DistributedLoader`,
             an argument contradicts the ``DistributedSampler`` it holds (or the seed of ``fast_loader``'s
             per-sample order), or ``shuffle=True`` or ``sample_seeds=True`` for a stream.
@@ -484,6 +485,8 @@ def distributed(
         validate.integer(rank, "rank", minimum=0, none_ok=True)
         if sample_seeds:
             refuse_stream(users_dataset, "or leave sample_seeds out")
+        if loader.num_workers > 0:  # torch calls it only inside a worker, at the first batch
+            check_worker_init_fn(loader.worker_init_fn, "loader.worker_init_fn")
     if isinstance(users_dataset, IterableDataset):
         return _stream(loader, said, shuffle, even, _placement(said, rank, world_size))
     batch_sampler = unwrapped(loader.batch_sampler)  # the user's, inside what fast_loader wrapped

@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedups._helpers import env, validate
 from speedups._helpers.hardware import cpus_per_process
@@ -30,6 +30,7 @@ from speedups.data.rank_stream import splits_itself
 from speedups.data.sample_keys import SampleKeys
 from speedups.data.seeded_samples import SeededSamples, refuse_stream
 from speedups.data.workers import (
+    check_worker_init_fn,
     dataloader_parameters,
     release_workers_at_exit,
     seed_worker,
@@ -99,8 +100,9 @@ def fast_loader(
         itself cannot be pickled (its sampler holds it weakly), as none with live workers can.
 
     Raises:
-        TypeError: an argument of the wrong type (a ``DataLoader`` as ``dataset``: pass its ``.dataset``), or
-            an argument ``DataLoader`` does not take.
+        TypeError: an argument of the wrong type (a ``DataLoader``, model, tensor or class as ``dataset``;
+            an object neither indexable with a length nor an ``IterableDataset``), a ``worker_init_fn`` that
+            cannot be called with the worker id, or an argument ``DataLoader`` does not take.
         ValueError: ``batch_size`` < 1, ``num_workers`` < 0, both ``seed`` and ``generator``, or
             ``sample_seeds=True`` for an ``IterableDataset``.
         SpeedupsError: workers would start with ``spawn``/``forkserver`` and the dataset, ``collate_fn``
@@ -115,20 +117,7 @@ def fast_loader(
 
     Source: PyTorch's data loading notes ("Randomness in multi-process data loading"); README, Tip 1.
     """
-    if isinstance(dataset, DataLoader):
-        raise TypeError(
-            f"fast_loader(dataset=DataLoader(...)): dataset is already a DataLoader; fast_loader builds the "
-            f"DataLoader from a dataset. Pass its dataset: fast_loader(loader.dataset, "
-            f"{dataset.batch_size if batch_size is None else batch_size}, shuffle=True)."
-        )
-    if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "__iter__")) or isinstance(
-        dataset, (str, bytes)
-    ):
-        raise TypeError(
-            f"fast_loader(dataset={short(dataset)}): expected a map-style dataset (with __getitem__ "
-            f"and __len__) or an IterableDataset, got {type(dataset).__name__}. "
-            f"E.g. fast_loader(TensorDataset(x, y), 64)."
-        )
+    _check_dataset(dataset, batch_size, dataloader_kwargs)
     user_init = dataloader_kwargs.get("worker_init_fn")
     said = f"fast_loader(batch_size={batch_size!r}, num_workers={num_workers!r}, seed={seed!r}"
     said += ", sample_seeds=True)" if sample_seeds is True else ")"
@@ -153,8 +142,7 @@ def fast_loader(
         if unknown:
             allowed = sorted(dataloader_parameters() - {"self", "num_workers", "shuffle", "batch_size"})
             raise TypeError(f"unknown DataLoader argument(s) {unknown}. Allowed: {allowed}.")
-        if user_init is not None and not callable(user_init):
-            raise TypeError(f"worker_init_fn={user_init!r}: expected a function of the worker id, or None.")
+        check_worker_init_fn(user_init)  # torch calls it only in a worker, at the first batch
 
     kwargs = dict(dataloader_kwargs)
     dataset = unwrapped(dataset)  # another loader's dataset: the user's own, seeded again if asked
@@ -201,6 +189,62 @@ def fast_loader(
     if not isinstance(dataset, IterableDataset) or shuffle:
         kwargs["shuffle"] = shuffle
     return build_loader(DataLoader, dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+
+
+def _check_dataset(dataset: Any, batch_size: int | None, kwargs: dict[str, Any]) -> None:
+    """Refuse what ``DataLoader`` would only fail on at the first batch (in ``default_collate``, a worker).
+
+    Raises:
+        TypeError: a ``DataLoader``, a class, a model, a tensor, a string, or an object that is neither an
+            ``IterableDataset`` nor indexable (``__getitem__``, and ``__len__`` unless a sampler is given).
+    """
+    size = 64 if batch_size is None else batch_size
+    if isinstance(dataset, DataLoader):
+        raise TypeError(
+            f"fast_loader(dataset=DataLoader(...)): dataset is already a DataLoader; fast_loader builds the "
+            f"DataLoader from a dataset. Pass its dataset: fast_loader(loader.dataset, "
+            f"{dataset.batch_size if batch_size is None else batch_size}, shuffle=True)."
+        )
+    if isinstance(dataset, type):
+        raise TypeError(
+            f"fast_loader(dataset={dataset.__qualname__}, {batch_size!r}): dataset is a class, not a "
+            f"dataset. Pass an instance: fast_loader({dataset.__qualname__}(...), {size})."
+        )
+    if isinstance(dataset, torch.nn.Module) and not isinstance(dataset, Dataset):
+        raise TypeError(
+            f"fast_loader(dataset={type(dataset).__name__}(...), {batch_size!r}): dataset is a model (an "
+            f"nn.Module), not a dataset; fast_loader takes the samples and the model goes to the step. Pass "
+            f"the data: fast_loader(TensorDataset(x, y), {size}), or your Dataset."
+        )
+    if isinstance(dataset, torch.Tensor):
+        shape = tuple(dataset.shape)
+        raise TypeError(
+            f"fast_loader(dataset=tensor of shape {shape}, {batch_size!r}): a bare tensor is not a dataset "
+            f"of (input, target) samples; each row would be one sample with no target. Wrap the tensors: "
+            f"fast_loader(TensorDataset(x, y), {size}) (or TensorDataset(x) for inputs alone)."
+        )
+    if isinstance(dataset, IterableDataset):
+        return
+    ordered = kwargs.get("sampler") is not None or kwargs.get("batch_sampler") is not None
+    if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__getitem__"):
+        streamed = hasattr(dataset, "__iter__") and not isinstance(dataset, (str, bytes))
+        also = (
+            " A plain iterable (a generator, a file) is indexed by DataLoader, not iterated: make it an "
+            "IterableDataset (class Stream(IterableDataset) with __iter__) or a list."
+            if streamed
+            else ""
+        )
+        raise TypeError(
+            f"fast_loader(dataset={short(dataset)}, {batch_size!r}): expected a map-style dataset (with "
+            f"__getitem__ and __len__) or an IterableDataset, got {type(dataset).__name__}.{also} E.g. "
+            f"fast_loader(TensorDataset(x, y), {size})."
+        )
+    if not ordered and not callable(getattr(dataset, "__len__", None)):
+        raise TypeError(
+            f"fast_loader(dataset={short(dataset)}, {batch_size!r}): {type(dataset).__name__} has "
+            f"__getitem__ but no __len__, and DataLoader's sampler needs the number of samples. Give the "
+            f"dataset a __len__, or pass your own sampler=."
+        )
 
 
 def _check_sample_seeds(dataset: Any, kwargs: dict[str, Any]) -> None:

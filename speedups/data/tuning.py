@@ -36,7 +36,7 @@ from speedups.data.timing import (
     time_setting,
     timing_sampling,
 )
-from speedups.data.workers import start_method, unpicklable_for_workers
+from speedups.data.workers import check_worker_init_fn, start_method, unpicklable_for_workers
 from speedups.device import default_device
 from speedups.errors import SpeedupsWarning
 
@@ -126,6 +126,7 @@ def _check_tune_args(
     said += ")" if num_threads == "auto" else f", num_threads={num_threads!r})"
     with validate.arguments(said):
         validate.flag(progress, "progress")
+        check_worker_init_fn(loader.worker_init_fn, "loader.worker_init_fn")  # any worker count may be timed
         if step is not None and not callable(step):
             raise TypeError(
                 f"step={short(step)}: expected a function of one batch (the training step), or None to time "

@@ -31,9 +31,12 @@ from collections.abc import Callable
 
 from torch.utils.data import DataLoader
 
+from speedups._helpers.validate import short
+
 __all__ = [
     "PICKLING_START_METHODS",
     "STOP_SIGNALS",
+    "check_worker_init_fn",
     "dataloader_parameters",
     "release_workers_at_exit",
     "seed_worker",
@@ -62,6 +65,44 @@ def shelter_worker(worker_id: int, init_fn: Callable[[int], object] | None = Non
     _ignore_stop_signals()
     if init_fn is not None:
         init_fn(worker_id)
+
+
+def check_worker_init_fn(init_fn: object, name: str = "worker_init_fn") -> None:
+    """Refuse a ``worker_init_fn`` no worker can call: not callable, or not as ``init_fn(worker_id)``.
+
+    Checked with ``inspect.signature(init_fn).bind(0)`` before any worker starts (torch calls it only inside
+    a worker, at the first batch); a callable whose signature cannot be read (some builtins, extension
+    objects) passes. The message starts with ``name=...``, for the caller's ``validate.arguments`` to prefix.
+
+    Raises:
+        TypeError: ``init_fn`` is neither None nor callable, or cannot take one positional argument.
+    """
+    if init_fn is None:
+        return
+    if not callable(init_fn):
+        raise TypeError(
+            f"{name}={short(init_fn)}: expected a function of the worker id, or None, got "
+            f"{type(init_fn).__name__}. Write worker_init_fn=None, or def init(worker_id): ... and "
+            f"worker_init_fn=init."
+        )
+    try:
+        signature = inspect.signature(init_fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, an extension object): trust it
+        return
+    try:
+        signature.bind(0)
+    except TypeError as err:
+        bare = signature.replace(  # as written, without annotations: (worker_id, other)
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        called = getattr(init_fn, "__name__", "")
+        called = called if called.isidentifier() else "init"
+        raise TypeError(
+            f"{name}={short(init_fn)}: each loader worker calls it with one positional argument, its worker "
+            f"id, and its signature {bare} cannot take that ({err}). Give it one parameter, def "
+            f"{called}(worker_id): ..., or bind the others: worker_init_fn=functools.partial({called}, ...)."
+        ) from None
 
 
 def sheltered(init_fn: Callable[[int], object] | None) -> Callable[[int], object]:

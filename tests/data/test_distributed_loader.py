@@ -146,6 +146,23 @@ def test_distributed_bad_input(call, error, match) -> None:
         call()
 
 
+def _two_ids(worker_id: int, other: int) -> None:
+    pass
+
+
+def test_a_loaders_worker_init_fn_its_workers_cannot_call_is_refused_at_once() -> None:
+    """A plain DataLoader never checks it; its workers would raise at the first batch of every rank."""
+    with_workers = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=_two_ids)
+    with pytest.raises(
+        TypeError,
+        match=r"distributed\(shuffle=None, .*\): loader\.worker_init_fn=<function _two_ids"
+        r".*\(worker_id, other\).*functools\.partial\(_two_ids, \.\.\.\)",
+    ):
+        distributed(with_workers, rank=0, world_size=2)
+    without = DataLoader(range(8), batch_size=2, worker_init_fn=_two_ids)  # never called, as in torch
+    assert [b.tolist() for b in distributed(without, rank=0, world_size=2)] == [[0, 2], [4, 6]]
+
+
 @pytest.mark.parametrize("bad", [{"batches": -2}, {"batches": 1.7}, {"epoch": -3}, {"batches": 10**6}])
 def test_loader_load_state_dict_rejects_impossible_positions(bad) -> None:
     loader = distributed(DataLoader(list(range(10)), batch_size=3, shuffle=True), rank=0, world_size=2)

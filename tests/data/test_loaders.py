@@ -219,8 +219,100 @@ def test_fast_loader_rejects_what_is_not_a_dataset(dataset) -> None:
 
 
 def test_fast_loader_checks_its_worker_init_fn() -> None:
-    with pytest.raises(TypeError, match=r"worker_init_fn=5"):
+    with pytest.raises(TypeError, match=r"worker_init_fn=5: expected a function of the worker id.*Write"):
         fast_loader(list(range(4)), 2, worker_init_fn=5)
+
+
+def _two_ids(worker_id: int, other: int) -> None:
+    pass
+
+
+def _no_id() -> None:
+    pass
+
+
+def _keyword_id(*, worker_id: int) -> None:
+    pass
+
+
+class _Init:
+    def __call__(self, worker_id: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("init", "match"),
+    [
+        (
+            _two_ids,
+            r"_two_ids at .*\(worker_id, other\).*missing a required argument: 'other'.*def _two_ids\(",
+        ),
+        (_no_id, r"\(\) cannot take that \(too many positional arguments\)"),
+        (_keyword_id, r"\(\*, worker_id\)"),
+        (lambda a, b: None, r"<lambda>.*\(a, b\).*def init\(worker_id\).*functools\.partial\(init, \.\.\.\)"),
+    ],
+)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_worker_init_fn_that_cannot_take_the_worker_id_is_refused_at_once(init, match, workers) -> None:
+    """torch calls it only inside a worker, at the first batch ('Caught TypeError in DataLoader worker')."""
+    with pytest.raises(
+        TypeError, match=r"fast_loader\(batch_size=2, num_workers=\d.*: worker_init_fn=.*" + match
+    ):
+        fast_loader(list(range(4)), 2, num_workers=workers, worker_init_fn=init)
+
+
+@pytest.mark.parametrize(
+    "init", [record_init, functools.partial(_two_ids, other=1), _Init(), lambda *ids: None, print]
+)
+def test_a_worker_init_fn_of_the_worker_id_is_accepted(init) -> None:
+    assert fast_loader(list(range(4)), 2, num_workers=0, worker_init_fn=init).worker_init_fn is not None
+
+
+def _generated():
+    yield from range(4)
+
+
+class _IndexedOnly:
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize(
+    ("dataset", "match"),
+    [
+        (
+            torch.nn.Sequential(torch.nn.Linear(2, 2)),
+            r"Sequential\(\.\.\.\), 4\): dataset is a model.*TensorDataset\(x, y\), 4\)",
+        ),
+        (torch.nn.Linear(2, 2), r"Linear\(\.\.\.\), 4\): dataset is a model"),
+        (
+            torch.zeros(10, 3),
+            r"tensor of shape \(10, 3\), 4\): a bare tensor.*fast_loader\(TensorDataset\(x, y\), 4\)",
+        ),
+        (Squares, r"Squares, 4\): dataset is a class.*fast_loader\(Squares\(\.\.\.\), 4\)"),
+        (_generated(), r"got generator\. A plain iterable.*IterableDataset"),
+        (_IndexedOnly(), r"has __getitem__ but no __len__.*sampler="),
+    ],
+)
+def test_what_dataloader_would_fail_on_at_the_first_batch_is_refused_at_once(dataset, match) -> None:
+    with pytest.raises(TypeError, match=r"fast_loader\(dataset=.*" + match):
+        fast_loader(dataset, 4, num_workers=0)
+
+
+def test_an_indexed_dataset_without_len_is_accepted_with_a_sampler() -> None:
+    loader = fast_loader(_IndexedOnly(), 2, num_workers=0, sampler=[3, 1, 2])
+    assert [b.tolist() for b in loader] == [[3, 1], [2]]
+
+
+def test_a_module_that_is_also_a_dataset_is_accepted() -> None:
+    class Both(torch.nn.Module, Dataset):
+        def __getitem__(self, index: int) -> int:
+            return index
+
+        def __len__(self) -> int:
+            return 3
+
+    assert [b.tolist() for b in fast_loader(Both(), 3, num_workers=0)] == [[0, 1, 2]]
 
 
 # ------------------------------------------------------------------------------------ per-epoch dataset state

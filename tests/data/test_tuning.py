@@ -223,6 +223,21 @@ def test_tune_loader_bad_input(kwargs: dict, error: type[Exception], match: str)
         tune_loader(DataLoader(list(range(4))), **kwargs)
 
 
+def _two_ids(worker_id: int, other: int) -> None:
+    pass
+
+
+def test_tune_loader_refuses_a_worker_init_fn_no_worker_can_call_before_timing() -> None:
+    """A loader without workers never calls it; tune_loader would, inside a timed worker, mid-tuning."""
+    loader = DataLoader(list(range(8)), batch_size=2, worker_init_fn=_two_ids)
+    with pytest.raises(
+        TypeError,
+        match=r"tune_loader\(max_seconds=1, candidates=None\): loader\.worker_init_fn=<function _two_ids.*"
+        r"missing a required argument: 'other'.*worker_init_fn=functools\.partial\(_two_ids, \.\.\.\)",
+    ):
+        tune_loader(loader, max_seconds=1)
+
+
 def test_tune_loader_rejects_a_non_loader() -> None:
     with pytest.raises(TypeError, match=r"expected a torch\.utils\.data\.DataLoader"):
         tune_loader(TensorDataset(torch.zeros(3)))  # type: ignore[arg-type]
