@@ -158,6 +158,8 @@ class Accumulator:
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
         guard = self.guard
+        if OWNERSHIP.open_count > (self.pending > 0):  # another step's window is open: not on our optimizer
+            guard.refuse_shared_optimizer()
         if self.pending:
             guard.between_calls()
         else:  # a window starts: with no gradient this step did not make

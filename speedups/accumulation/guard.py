@@ -26,7 +26,7 @@ from speedups.accumulation.ownership import OWNERSHIP
 from speedups.accumulation.parameters import StepParameters
 from speedups.accumulation.update import Update
 from speedups.accumulation.window import ITEMS, Window
-from speedups.errors import SpeedupsWarning
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["Guard"]
 
@@ -107,6 +107,31 @@ class Guard:
         """A call of the step starts (the short path stores :attr:`token` in ``OWNERSHIP.last`` itself)."""
         OWNERSHIP.last = self.token
         self.ran = True
+
+    def refuse_shared_optimizer(self) -> None:
+        """Before a call, when other steps' windows are open: refuse if one of them steps an optimizer this
+        step steps too (nothing of the call has run).
+
+        Raises:
+            SpeedupsError: another step with an open window shares an optimizer with this one.
+        """
+        others = OWNERSHIP.sharing_optimizers(self)
+        if not others:
+            return
+        other = others[0]
+        mine = {id(opt) for opt in self.params.optimizers}
+        shared = next(opt for opt in other.params.optimizers if id(opt) in mine)
+        name = getattr(getattr(other.owner, "fn", None), "__qualname__", "another step")
+        this = getattr(getattr(self.owner, "fn", None), "__qualname__", "this step")
+        raise SpeedupsError(
+            f"accumulate: {this} and {name} are two @accumulate steps over one optimizer "
+            f"({type(shared).__name__}), and {name}'s window is open ({other.owner.pending} of "
+            f"{other.owner.every} micro-steps): this call's backward would add to that window, and each step "
+            f"would step the optimizer at its own boundary on the other's half-accumulated gradients. Fix: "
+            f"one step returning the sum of the losses (`return main_loss + aux_loss`), or an optimizer per "
+            f"step (`accumulate(N, torch.optim.Adam(aux_head.parameters()))`); steps over one optimizer "
+            f"may take turns only window by window (the other's window applied first)."
+        )
 
     def window_opens(self) -> None:
         """The step's window opened: other steps set its gradients aside while they run."""

@@ -18,7 +18,7 @@ its windows are not registered at all; the steps still alive are told when a sec
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,8 @@ __all__ = ["OWNERSHIP", "Ownership"]
 
 class _Owner(Protocol):
     token: int
+    params: Any  # the step's StepParameters: its optimizers
+    owner: Any  # the step's accumulator: its function, counters
 
     def known_params(self) -> list[torch.Tensor]: ...
     def owned_ids(self) -> set[int]: ...
@@ -110,6 +112,11 @@ class Ownership:
                     foreign.setdefault(id(p), p)
         found = self._foreign[id(step)] = list(foreign.values())
         return found
+
+    def sharing_optimizers(self, step: _Owner) -> list[_Owner]:
+        """The other steps with an open window that step one of ``step``'s optimizers."""
+        mine = {id(opt) for opt in step.params.optimizers}
+        return [o for o in self._others_open(step) if any(id(opt) in mine for opt in o.params.optimizers)]
 
     def in_open_windows(self, step: _Owner) -> set[int]:
         """The ids of parameters ``step`` shares with other steps whose windows are open."""

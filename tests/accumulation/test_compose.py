@@ -130,8 +130,9 @@ def test_fp16_stacked_above_accumulate_is_refused_before_anything_changes() -> N
     with amp:  # the right order plus an outer `with`: the inner entry hands the scaler over
         right(torch.randn(4, 3), torch.randn(4, 1))
     assert right.scaler is amp.scaler
+    other, other_opt = _model_opt()  # its own optimizer: `right`'s window on `opt` is still open
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 needs no scaler: fine around the step
-        accumulate(2, opt)(lambda x: model(x).float().pow(2).mean())(torch.randn(4, 3))
+        accumulate(2, other_opt)(lambda x: other(x).float().pow(2).mean())(torch.randn(4, 3))
 
 
 def test_a_step_that_calls_itself_is_refused_and_its_window_kept() -> None:

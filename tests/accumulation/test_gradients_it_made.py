@@ -126,6 +126,31 @@ def test_a_step_made_while_another_steps_window_is_open_sets_that_window_aside()
     assert d_step.num_updates == 1 and all(p.grad is None for p in D.parameters())
 
 
+def test_two_steps_over_one_optimizer_are_refused_while_the_other_window_is_open_and_may_take_turns() -> None:
+    """Interleaved, each would step the shared optimizer on the other's half window (three warnings that
+    blamed a backward outside, a hand-made step and a zero_grad): refused, naming both steps, before
+    anything of the call runs. One after the other, window by window, they are exact."""
+    model = mlp(3, 8, 1)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    main = accumulate(2, opt)(lambda x: model(x).pow(2).mean())
+    aux = accumulate(2, opt)(lambda x: model(x).abs().mean())
+    x = torch.randn(4, 3)
+    main(x)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(SpeedupsError, match=r"<lambda> and .*<lambda> are two @accumulate steps over one "
+                       r"optimizer \(SGD\).*window is open \(1 of 2.*return main_loss \+ aux_loss"):
+        aux(x)
+    assert aux.step == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        main(x)  # main's window applied: aux may run its own now
+        aux(x)
+        aux(x)
+        main(x)
+    assert main.num_updates == 1 and aux.num_updates == 1 and main.pending == 1
+
+
 # ------------------------------------------------------------------------ a backward outside the step
 def test_gradients_no_step_made_are_dropped_at_a_window_start_with_one_warning() -> None:
     x, y = linear_data(16)
