@@ -384,7 +384,7 @@ def test_bad_input_is_refused_before_anything_is_built() -> None:
         fast_loader(Augmented(), 4, seed=2**64, num_workers=0)
     with pytest.raises(ValueError, match=r"epoch=9223372036854775808: must be"):
         loader.sampler.set_epoch(2**63)
-    with pytest.raises(TypeError, match=r"_NoLength has __getitem__ but no __len__.*Give the dataset a __len__"):
+    with pytest.raises(TypeError, match=r"_NoLength has __getitem__ but no __len__.*a __len__"):
         fast_loader(_NoLength(), 2, sample_seeds=True, num_workers=0)
     with pytest.raises(TypeError, match=r"sample_seeds=np.True_: expected True or False, got numpy.bool"):
         fast_loader(Augmented(), 4, sample_seeds=np.True_)
