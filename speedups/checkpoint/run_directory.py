@@ -9,6 +9,7 @@ Checkpoints are ``ckpt-<n>.pt`` (a directory for FSDP2), ``n`` counting up acros
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import torch
 
 from speedups._helpers import env, validate
 from speedups._helpers.agreement import Agreement
+from speedups._helpers.holds import PathHold
 from speedups._helpers.validate import short
 from speedups.checkpoint import background as writes
 from speedups.checkpoint import file_format
@@ -37,6 +39,8 @@ from speedups.errors import SpeedupsError, SpeedupsWarning
 __all__ = ["RunDirectory"]
 
 _NAME = re.compile(r"ckpt-(\d+)(\.pt)?$")
+LOCK_NAME = "run.lock"
+"""The file in the run directory its writer holds (see :class:`~speedups._helpers.holds.PathHold`)."""
 
 
 class RunDirectory:
@@ -50,7 +54,10 @@ class RunDirectory:
     newer one is complete), and on one of ``stop_on``'s signals saves at the micro-step every rank agrees on
     (mid-window included) and exits with ``exit_code`` (see :class:`StopOnSignal`). :meth:`resume` loads the
     newest checkpoint that reads whole and can continue on this layout; a damaged or cut one is skipped
-    with a warning naming it, and an empty or new directory starts the run afresh (``{}``).
+    with a warning naming it, and an empty or new directory starts the run afresh (``{}``). One writer per
+    directory: :meth:`resume` takes ``path/run.lock`` for this object alone (rank 0, the one that writes)
+    until :meth:`close`, and refuses a second RunDirectory on it, in this process or another (a job started
+    twice); a killed run's hold goes with its process, even while loader workers it forked live.
 
     Sync points: per call, none but ``StopOnSignal``'s (an asynchronous all-reduce every ~0.2 s across
     ranks); a save is ``save_checkpoint``'s; :meth:`resume` gathers every rank's choice once.
@@ -116,6 +123,8 @@ class RunDirectory:
         self._next = 0  # the number of the next checkpoint
         self.latest: Path | None = None
         """The newest complete checkpoint this run wrote or resumed from (None before)."""
+        self._hold = PathHold(self.path / LOCK_NAME, functools.partial(_clash, self.path))  # rank 0's
+        self._closed = False  # close() let the directory go: a later save takes it again
 
     # ------------------------------------------------------------------------------------------ resume
     def resume(self, *unnamed: Any, **state: Any) -> dict[str, Any]:
@@ -123,13 +132,17 @@ class RunDirectory:
 
         Call it once, on every rank, after building everything and before the loop iterates the loader.
 
+        Rank 0 first takes the directory for this object alone (``path/run.lock``, held until
+        :meth:`close`): another writer of it is refused on every rank before anything in it changes.
+
         Returns:
             The plain values saved with it (``{"epoch": 3}``), or ``{}`` when there is none (a new run).
 
         Raises:
-            SpeedupsError: a checkpoint that reads whole does not fit the objects (``load_checkpoint``'s
-                checks), or none of them can continue on this layout (the newest one's reason); the ranks do
-                not find the same newest checkpoint; it was called before.
+            SpeedupsError: another RunDirectory, in this process or another, holds the directory (the message
+                names its process and the fixes); a checkpoint that reads whole does not fit the objects
+                (``load_checkpoint``'s checks), or none of them can continue on this layout (the newest
+                one's reason); the ranks do not find the same newest checkpoint; it was called before.
         """
         if self._objects is not None:
             raise SpeedupsError(
@@ -150,28 +163,46 @@ class RunDirectory:
                 f"torch.distributed.checkpoint, in the foreground. Pass background=False."
             )
         writes.wait()  # a write of this process in flight (another RunDirectory's) ends first
-        error = ""
-        if env.rank() == 0:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-                _remove_leftovers(self.path)
-            except OSError as err:
-                error = f"{type(err).__name__}: {err}"
+        error = self._take() if env.rank() == 0 else ""
         error = _gathered_text(error)  # every rank learns it (a rank that went on would wait for rank 0)
         if error:
-            raise SpeedupsError(
-                f"RunDirectory({str(self.path)!r}).resume(): rank 0 could not make the directory ({error}). "
-                f"Pass a path in a writable place."
-            )
-        self._sharded = sharded
-        found = self._found()
-        next_number = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
-        values = self._load_newest(sorted(found, reverse=True), found, objects)
+            raise SpeedupsError(f"RunDirectory({str(self.path)!r}).resume(): {error}")
+        try:
+            self._sharded = sharded
+            found = self._found()
+            next_number = max(_gathered(max(found) + 1 if found else 0))  # past every name any rank sees
+            values = self._load_newest(sorted(found, reverse=True), found, objects)
+        except BaseException:
+            self._hold.release()  # a failed resume leaves the directory free for the next try
+            raise
         self._objects, self._next = objects, next_number  # only now: a failed resume leaves nothing bound
         self._step = next((o for o in objects.values() if is_step(o)), None)
         self._saved_updates = self._updates()
         self._clock = time.monotonic()
         return values
+
+    def _take(self) -> str:
+        """Rank 0: make the directory, hold it, remove what crashed writes left; what went wrong, or ''."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return (
+                f"rank 0 could not make the directory ({type(err).__name__}: {err}). Pass a path in a "
+                f"writable place."
+            )
+        try:
+            self._hold.acquire()  # before anything in it changes: another writer's files stay as they are
+        except SpeedupsError as err:
+            return str(err)
+        try:
+            _remove_leftovers(self.path)
+        except OSError as err:
+            self._hold.release()
+            return (
+                f"rank 0 could not clear the directory ({type(err).__name__}: {err}). Pass a path in a "
+                f"writable place."
+            )
+        return ""
 
     def _found(self) -> dict[int, Path]:
         """The checkpoints in the directory by number (``ckpt-<n>.pt`` files, ``ckpt-<n>`` directories)."""
@@ -262,7 +293,11 @@ class RunDirectory:
             stop, agreed = self.stop.check(clock)
             if stop:
                 self.save(**values)
-                self.stop.exit()
+                try:
+                    self.stop.exit()  # waits for the writes first
+                finally:
+                    self._hold.release()  # the run is over (in a process that goes on, too)
+                    self._closed = True
         else:
             agreed = False
             if self._agreement is not None:
@@ -279,11 +314,18 @@ class RunDirectory:
     def save(self, **values: Any) -> Path:
         """Save a checkpoint now (every rank; ``save_checkpoint``'s sync points); return its path.
 
-        The oldest checkpoints beyond ``keep`` are deleted once this one is complete.
+        The oldest checkpoints beyond ``keep`` are deleted once this one is complete. After :meth:`close`,
+        the directory is taken again first, and numbered after what is there now (one gather).
+
+        Raises:
+            SpeedupsError: :meth:`resume` was not called first; after :meth:`close`, another RunDirectory
+                holds the directory; a write failed.
         """
         if self._objects is None:
             raise SpeedupsError("RunDirectory.save(): call run.resume(...) first, once, before the loop.")
         plain = self._plain("RunDirectory.save", values)
+        if self._closed:
+            self._reopen()
         number, self._next = self._next, self._next + 1
         path = self._file(number)
         keep_from = number - self.keep + 1
@@ -295,6 +337,21 @@ class RunDirectory:
         self._clock = time.monotonic()
         self._time_due = False
         return path
+
+    def _reopen(self) -> None:
+        """A save after :meth:`close`: take the directory again (rank 0; another writer refused on every
+        rank) and number the next checkpoint after every one there now (another run may have saved since).
+
+        Raises:
+            SpeedupsError: another RunDirectory holds the directory now (the message names it).
+        """
+        error = self._take() if env.rank() == 0 else ""
+        error = _gathered_text(error)
+        if error:
+            raise SpeedupsError(f"RunDirectory({str(self.path)!r}).save() after close(): {error}")
+        found = self._found()
+        self._next = max(self._next, *_gathered(max(found) + 1 if found else 0))
+        self._closed = False
 
     def _plain(self, call: str, values: dict[str, Any]) -> dict[str, Any]:
         """``values`` checked: plain data (no objects: those go to :meth:`resume`), no name of an object.
@@ -332,9 +389,12 @@ class RunDirectory:
         return int(self._step.num_updates) if self._step is not None else self._calls
 
     def close(self) -> None:
-        """Wait for a background write and put back the signal handlers (the run ended without a stop)."""
+        """Wait for a background write, put back the signal handlers (the run ended without a stop) and let
+        the directory go (another RunDirectory may take it)."""
         writes.wait()
         error = writes.take_error()
+        self._hold.release()
+        self._closed = True
         if self.stop is not None:
             self.stop.close()
         if self._agreement is not None:
@@ -375,6 +435,21 @@ def _run_path(path: Any) -> Path:
                 raise ValueError(f"path={str(path)!r} {where}; pass a directory for the run.")
             break
     return path
+
+
+def _clash(path: Path, holder: int | None) -> str:
+    """The message when another RunDirectory holds ``path`` (``holder``: its process id, when known)."""
+    if holder == os.getpid():
+        who = f"another RunDirectory of this process ({holder}) writes it"
+    else:
+        process = "a process" if holder is None else f"process {holder}"
+        who = f"another RunDirectory writes it ({process} holds {str(path / LOCK_NAME)!r})"
+    return (
+        f"{str(path)!r} is taken: {who}. Two writers of one run directory number their checkpoints alike and "
+        f"overwrite each other's (a job started twice, a notebook cell run again while the first object "
+        f"lives). Close the first (first_run.close(), or a with-block), stop the other job, or give this run "
+        f"its own directory: RunDirectory({str(path.with_name(path.name + '-2'))!r}, ...)."
+    )
 
 
 def _remove_leftovers(path: Path) -> None:

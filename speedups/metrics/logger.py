@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import multiprocessing
@@ -126,6 +127,26 @@ def _writer_now() -> bool | None:
     if env.pg_ready() or env.launch_style() != "single":
         return env.rank() == 0
     return True if multiprocessing.parent_process() is None else None
+
+
+def _missing(folder: Path) -> list[Path]:
+    """``folder`` and the folders above it that do not exist yet, deepest first."""
+    missing = []
+    for place in (folder, *folder.parents):
+        if place.exists():
+            break
+        missing.append(place)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty: what a failed logger made and left empty
+    goes; a folder something was written into (a tracker's log of why it failed) stays, with those above."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _ratio(total: float, count: float) -> float:
@@ -269,7 +290,10 @@ class MetricLogger:
         TypeError, ValueError: a bad argument, an unknown sink name, a file sink without ``log_dir``, a
             ``log_dir`` that cannot be made or written (the message names it).
         ImportError: a sink's optional package is missing (the message names the extra to install).
-        SpeedupsError: another logger writes the same files (the message names them and the fixes).
+        SpeedupsError: another logger writes the same files (the message names them and the fixes); a
+            tracker sink cannot start (its error). A logger that fails here leaves nothing it made: the
+            sinks it made are closed (a W&B run started is finished), its locks let go, and a ``log_dir`` it
+            made is removed while empty.
 
     Example:
         >>> import tempfile
@@ -326,11 +350,25 @@ class MetricLogger:
         self._writer: bool | None = _writer_now()  # whether this rank writes: None until it is known
         self._global_loss: bool | None = None  # log_update: the job's loss (every rank calls it)
         self._closed = False
-        self.sinks: list[Sink] = [make_sink(spec, self.log_dir) for spec in specs] if enabled else []
-        if enabled and self._writer is not False:
-            self._make_dir()
-        if enabled and self._writer:
-            self._claim()
+        self.sinks: list[Sink] = []
+        if not enabled:
+            return
+        # the folders this writer may make (a sink may, too: W&B's), removed again if the logger fails here
+        missing = _missing(self.log_dir) if self._writer is not False and self.log_dir is not None else []
+        try:
+            for spec in specs:
+                self.sinks.append(make_sink(spec, self.log_dir))
+            if self._writer is not False:
+                self._make_dir()
+            if self._writer:
+                self._claim()
+        except BaseException:
+            for spec, sink in zip(specs, self.sinks, strict=False):  # the sinks made here from a name
+                if isinstance(spec, str):
+                    with contextlib.suppress(Exception):
+                        sink.close()  # a W&B run started is finished; a lock taken was let go by _claim
+            _remove_empty(missing)
+            raise
 
     def _make_dir(self) -> None:
         """Make ``log_dir`` now, so that a path that cannot be a directory fails here, not at a write."""

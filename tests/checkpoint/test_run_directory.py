@@ -15,6 +15,7 @@ import torch
 from speedups import RunDirectory, SpeedupsError, SpeedupsWarning, checkpoint_values
 from speedups.checkpoint import file_format
 from speedups.checkpoint import run_directory as run_directory_module
+from tests._dist import WORKERS, run_torchrun
 from tests._elastic import EPOCHS, build
 
 
@@ -199,3 +200,58 @@ def test_checkpoints_named_by_hand_are_found_by_their_number(tmp_path: Path) -> 
     state = build(2)
     run = RunDirectory(path, stop_on=None)
     assert run.resume(**state) == {"epoch": 1} and run.latest == path / "ckpt-7.pt"
+
+
+def test_a_second_writer_of_the_directory_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    first = RunDirectory(path, every_updates=1, stop_on=None)
+    first.resume(model=torch.nn.Linear(2, 1))
+    first.save(epoch=0)
+    (path / ".ckpt-000001.pt.abc123.tmp").write_bytes(b"x")  # first's write in flight, no leftover
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    assert before["run.lock"] == f"{os.getpid()}\n".encode()  # held while the run lives
+    second = RunDirectory(path, every_updates=1, stop_on=None)  # the same job, started twice
+    with pytest.raises(
+        SpeedupsError,
+        match=rf"RunDirectory\('{path}'\)\.resume\(\): '{path}' is taken: another RunDirectory of this "
+        rf"process \({os.getpid()}\) writes it\. .*overwrite each other's.*first_run\.close\(\).*"
+        rf"RunDirectory\('{path}-2', \.\.\.\)",
+    ):
+        second.resume(model=torch.nn.Linear(2, 1))
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # nothing changed, nothing removed
+    with pytest.raises(SpeedupsError, match=r"call run\.resume\(model=..., optimizer=..., ...\) first"):
+        second.after_step(epoch=0)  # the refused one is not bound: it cannot save either
+    first.close()
+    assert not (path / "run.lock").exists()  # let go at close
+    bad = RunDirectory(path, stop_on=None)
+    with pytest.raises(SpeedupsError, match=r"size mismatch|shape"):
+        bad.resume(model=torch.nn.Linear(3, 1))  # a failed resume lets the directory go at once
+    again = RunDirectory(path, every_updates=1, stop_on=None)  # after close(), in the same process
+    assert again.resume(model=torch.nn.Linear(2, 1)) == {"epoch": 0}
+    assert again.save(epoch=5) == path / "ckpt-000001.pt"
+    with pytest.raises(SpeedupsError, match=r"save\(\) after close\(\): .* is taken: another RunDirectory"):
+        first.save(epoch=1)  # the closed object does not write while another holds the directory
+    again.close()
+    assert first.save(epoch=1) == path / "ckpt-000002.pt"  # the same object after close(): numbered after
+    assert checkpoint_values(path / "ckpt-000001.pt") == {"epoch": 5}  # again's, not overwritten
+    first.close()
+    assert sorted(p.name for p in path.iterdir()) == ["ckpt-000000.pt", "ckpt-000001.pt", "ckpt-000002.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_hold_their_directory_through_rank_0_and_both_refuse_a_second_writer(
+    tmp_path: Path,
+) -> None:
+    out = run_torchrun(WORKERS / "run_directory_ranks.py", [str(tmp_path / "run")], nproc=2, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    said = [line.split() for line in out.stdout.splitlines() if line.startswith("rank")]
+    assert sorted(fields[0] for fields in said) == ["rank0", "rank1"]
+    by_rank = {fields[0]: fields[1:] for fields in said}
+    writer = by_rank["rank0"][0]  # rank 0's process id
+    assert by_rank["rank1"][0] != writer
+    for _pid, lock, second, third in by_rank.values():
+        assert lock == f"lock={writer}"  # one hold, rank 0's (the writer's), seen from both ranks
+        assert second == "second=refused"  # on every rank: none goes on alone, none hangs
+        assert third == "third={'epoch':0}"  # once the first closed, a new one takes the directory
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt-000000.pt", "ckpt-000001.pt"]

@@ -1,5 +1,6 @@
 """A metric row, once logged, is never lost, doubled or corrupted: one writer per file, earlier runs kept,
-exact resume at a mid-window checkpoint, a bad log_dir refused when the logger is made, one line ending."""
+exact resume at a mid-window checkpoint, a bad log_dir refused when the logger is made (and a logger that
+fails when made leaves nothing it made), one line ending."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import contextlib
 import copy
 import csv
 import gc
+import importlib
 import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from speedups import MetricLogger, SpeedupsError, SpeedupsWarning, accumulate
+from speedups.metrics.sinks import Sink
 from tests._dist import ROOT
 
 
@@ -58,6 +62,53 @@ def test_a_refused_logger_releases_what_it_took(tmp_path: Path) -> None:
     with MetricLogger(tmp_path, sinks="csv") as alone:  # metrics.csv was let go
         alone.log(0, a=1.0)
     held.close()
+
+
+def test_a_logger_that_fails_when_made_leaves_nothing_it_made(tmp_path: Path, monkeypatch) -> None:
+    finished: list[str] = []
+
+    class Run:  # a W&B run that started
+        def finish(self) -> None:
+            finished.append("run")
+
+    def no_key(**kwargs):
+        raise RuntimeError("No API key configured")
+
+    def no_store(**kwargs):
+        raise RuntimeError("unsupported URI 'sqlite:///mlflow.db'")
+
+    fakes = {
+        "wandb": types.SimpleNamespace(init=no_key),
+        "mlflow": types.SimpleNamespace(MlflowClient=no_store),
+        "mlflow.entities": types.SimpleNamespace(),
+    }
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: fakes.get(name) or real(name, *a))
+    new = tmp_path / "runs" / "exp1"
+    with pytest.raises(SpeedupsError, match=r"wandb\.init failed \(RuntimeError: No API key"):
+        MetricLogger(new, sinks=["csv", "wandb"])  # the W&B sink made log_dir, then failed
+    assert list(tmp_path.iterdir()) == []  # neither exp1 nor runs: it made both
+    with pytest.raises(SpeedupsError, match=r"wandb\.init failed"):
+        MetricLogger(tmp_path, sinks="wandb")
+    assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []  # a directory that was there stays
+
+    fakes["wandb"] = types.SimpleNamespace(init=lambda **kwargs: Run())
+    with pytest.raises(SpeedupsError, match=r"could not open its tracking store"):
+        MetricLogger(new, sinks=["csv", "wandb", "mlflow"])  # W&B started, then MLflow failed
+    assert finished == ["run"] and list(tmp_path.iterdir()) == []  # the run it started is finished
+
+    class Taken(Sink):
+        name = "taken"
+
+        def claim(self) -> None:
+            raise SpeedupsError("held elsewhere")
+
+    with pytest.raises(SpeedupsError, match="held elsewhere"):
+        MetricLogger(new, sinks=["csv", Taken()])  # metrics.csv locked, then the next claim failed
+    assert list(tmp_path.iterdir()) == []  # the lock let go, its file and the folders removed
+    with MetricLogger(new, sinks="csv") as logger:
+        logger.log(0, a=1.0)
+    assert sorted(p.name for p in new.iterdir()) == ["metrics.csv"]
 
 
 def test_a_closed_or_collected_logger_leaves_the_directory_free(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ class CSVSink(FileSink):
         self.columns = columns
         self._known = set(columns)
         self._order = tuple(columns)
-        self._file = open(self.path, "w", newline="")  # noqa: SIM115 - kept open across writes
+        self._file = self._create()
         writer = csv.DictWriter(self._file, fieldnames=["step", *columns], restval="", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)

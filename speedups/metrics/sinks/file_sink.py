@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -9,9 +10,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
 
+from speedups._helpers.holds import PathHold, drop_in_children
 from speedups.errors import SpeedupsWarning
 from speedups.metrics.sinks.base import Sink
-from speedups.metrics.sinks.file_lock import FileLock
 
 __all__ = ["FileSink"]
 
@@ -23,7 +24,8 @@ class FileSink(Sink):
     :class:`~speedups.metrics.sinks.jsonl.JSONLinesSink`), one writer at a time.
 
     :meth:`claim` locks ``<path>.lock`` until :meth:`close` (a second logger on the file is refused; a
-    crashed run's lock is gone with its process). The file is opened on the first row: a resumed run keeps
+    crashed run's lock is gone with its process, even while children it forked live: see
+    :class:`~speedups._helpers.holds.PathHold`). The file is opened on the first row: a resumed run keeps
     the rows up to its step; a new run moves an earlier run's file aside to ``<stem>.earlier-<n><suffix>``
     (n counting up) with a warning, so no row of it is lost.
     """
@@ -33,7 +35,7 @@ class FileSink(Sink):
         self._file: IO[str] | None = None
         self._resume_after: int | None = None
         self._rows_at_step: int | None = None
-        self._lock = FileLock(path.with_name(path.name + ".lock"), path)
+        self._lock = PathHold(path.with_name(path.name + ".lock"), functools.partial(_clash, path))
 
     def claim(self) -> None:
         self._lock.acquire()
@@ -62,6 +64,13 @@ class FileSink(Sink):
             SpeedupsWarning,
             stacklevel=2,
         )
+
+    def _create(self) -> IO[str]:
+        """``path`` opened for writing from the start, kept open across writes; a child this process forks
+        (a loader's worker) keeps nothing of it and never flushes this process's rows."""
+        file = open(self.path, "w", newline="")  # noqa: SIM115 - kept open across writes, closed by close()
+        drop_in_children(file)
+        return file
 
     def _earlier_name(self) -> Path:
         """``<stem>.earlier-<n><suffix>`` beside the file, ``n`` one above the highest there."""
@@ -98,3 +107,19 @@ class FileSink(Sink):
                 self._file = None
         finally:
             self._lock.release()
+
+
+def _clash(path: Path, holder: int | None) -> str:
+    """The message when another logger holds ``path`` (``holder``: its process id, when known)."""
+    if holder == os.getpid():
+        who = "another MetricLogger of this process writes it"
+    else:
+        process = "another process" if holder is None else f"process {holder}"
+        who = f"another MetricLogger writes it ({process} holds it)"
+    return (
+        f"{str(path)!r} is taken: {who}. Two writers of one file would interleave or overwrite each other's "
+        f"rows (an evaluation logger beside the training one, a notebook cell run twice). Log both through "
+        f"one logger (logger.log(step, val_loss=...) adds a row at that step), close the first "
+        f"(first_logger.close(), or a with-block), or give this one its own directory: "
+        f"MetricLogger({str(path.parent / 'eval')!r})."
+    )

@@ -27,7 +27,7 @@ class JSONLinesSink(FileSink):
             if self._resume_after is not None and self.path.exists():
                 lines = [line.rstrip("\r\n") for line in complete_lines(self.path) if line.strip()]
                 kept = self._kept(lines, lambda line: json.loads(line).get("step"))
-            self._file = open(self.path, "w", newline="")  # noqa: SIM115 - kept open across writes
+            self._file = self._create()
             self._file.writelines(line + "\n" for line in kept)
         row = {"step": step, **{k: (float(v) if math.isfinite(v) else None) for k, v in values.items()}}
         self._file.write(json.dumps(row) + "\n")

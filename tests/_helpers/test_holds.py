@@ -1,0 +1,164 @@
+"""One writer per path (speedups._helpers.holds): a second holder refused, in this process or another, and
+named; a killed holder's path free at once, even while children it forked (os.fork, DataLoader workers) live;
+a forked child never removes its parent's lock file nor writes its parent's buffered rows."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedups import MetricLogger, RunDirectory, SpeedupsError
+from speedups._helpers.holds import PathHold
+from tests._dist import ROOT
+
+
+def _clash(holder: int | None) -> str:
+    return f"taken by {holder}"
+
+
+def test_a_second_holder_in_this_process_is_refused_and_a_released_or_collected_one_frees_it(
+    tmp_path: Path,
+) -> None:
+    lock = tmp_path / "x.lock"
+    first, second = PathHold(lock, _clash), PathHold(lock, _clash)
+    first.acquire()
+    first.acquire()  # held: nothing to do
+    assert first.held and lock.read_text() == f"{os.getpid()}\n"
+    with pytest.raises(SpeedupsError, match=rf"^taken by {os.getpid()}$"):
+        second.acquire()  # a POSIX lock would let this process take it twice: the registry refuses it
+    assert first.held and not second.held
+    first.release()
+    assert not lock.exists()
+    second.acquire()
+    del second  # dropped without release(): collected, it lets go
+    gc.collect()
+    assert not lock.exists()
+    first.acquire()  # the same object, again after its release
+    assert first.held
+    first.release()
+
+
+# A writer in its own process takes its directory, forks a child that outlives it (os.fork, or a DataLoader's
+# workers stuck in a slow __getitem__), prints the pids and waits to be killed.
+_WRITER = """
+import os, sys, time, torch
+from torch.utils.data import DataLoader, Dataset
+from speedups import MetricLogger, RunDirectory
+
+writer, fork, folder = sys.argv[1:]
+if writer == "MetricLogger":
+    held = MetricLogger(folder, sinks=["csv", "jsonl"], every=1)
+    held.log(0, loss=1.0)
+else:
+    held = RunDirectory(folder, every_updates=1, stop_on=None)
+    held.resume(model=torch.nn.Linear(2, 1))
+
+class Slow(Dataset):
+    def __len__(self): return 100
+    def __getitem__(self, i):
+        time.sleep(120); return torch.zeros(1)
+
+def say(line): os.write(1, (line + "\\n").encode())  # one write: the lines of several processes never mix
+
+if fork == "os.fork":
+    if os.fork() == 0:
+        say(f"child {os.getpid()}")
+        time.sleep(120)
+        os._exit(0)
+else:
+    loader = DataLoader(Slow(), batch_size=1, num_workers=2,
+                        worker_init_fn=lambda _: say(f"child {os.getpid()}"))
+    batches = iter(loader)  # the workers start, each stuck in __getitem__
+say("ready")
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fork", ["os.fork", "DataLoader workers"])
+@pytest.mark.parametrize("writer", ["MetricLogger", "RunDirectory"])
+def test_a_killed_writers_path_is_free_at_once_while_the_children_it_forked_live(
+    tmp_path: Path, writer: str, fork: str
+) -> None:
+    folder = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_WRITER), writer, fork, str(folder)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        assert process.stdout is not None
+        ready, wanted = False, 1 if fork == "os.fork" else 2
+        while not ready or len(children) < wanted:
+            line = process.stdout.readline()
+            assert line, "the writer ended before it was ready"
+            if line.startswith("child"):
+                children.append(int(line.split()[1]))
+            ready = ready or line.strip() == "ready"
+        with pytest.raises(
+            SpeedupsError, match=rf"is taken: another {writer} writes it \(process {process.pid}"
+        ):
+            _take(writer, folder)  # the writer lives: refused, naming it
+        process.kill()  # SIGKILL: no cleanup runs
+        process.wait()
+        taken = _take(writer, folder)  # at once: no retry, no wait
+        for child in children:
+            os.kill(child, 0)  # the orphaned children still live (ProcessLookupError otherwise)
+        lock = folder / ("metrics.csv.lock" if writer == "MetricLogger" else "run.lock")
+        assert lock.read_text() == f"{os.getpid()}\n"
+        taken.close()
+    finally:
+        process.kill()
+        process.wait()
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def _take(writer: str, folder: Path) -> MetricLogger | RunDirectory:
+    if writer == "MetricLogger":
+        return MetricLogger(folder, sinks=["csv", "jsonl"])
+    run = RunDirectory(folder, every_updates=1, stop_on=None)
+    run.resume(model=torch.nn.Linear(2, 1))
+    return run
+
+
+_CHILD_EXITS = """
+import os, sys
+from speedups import MetricLogger
+
+logger = MetricLogger(sys.argv[1], every=1)
+for step in range(20):
+    logger.log(step, loss=float(step))  # written to the file's buffer, not flushed yet
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: atexit hooks and the flush of every open file run in the child
+os.waitpid(pid, 0)
+print("lock kept" if os.path.exists(os.path.join(sys.argv[1], "metrics.csv.lock")) else "lock removed")
+logger.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_that_exits_neither_removes_the_parents_lock_nor_writes_its_rows(
+    tmp_path: Path,
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CHILD_EXITS), str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["lock", "kept"]  # removed, a third writer could take the path meanwhile
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == list(range(20))  # each row once: the child's copy of the buffer went to /dev/null
