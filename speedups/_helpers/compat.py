@@ -21,6 +21,7 @@ __all__ = [
     "outside_compile",
     "leave_to_eager",
     "eager_below",
+    "graph_break_at",
     "restore_frames",
     "compiled_inner",
     "grad_version",
@@ -247,3 +248,17 @@ def eager_below(*functions: Callable[..., Any]) -> bool:
     for fn in functions:
         setter(fn.__code__, strategy(action.SKIP, action.SKIP))
     return True
+
+
+def graph_break_at(fn: Callable[..., Any], reason: str) -> None:
+    """Have ``torch.compile`` break its graph at every call of ``fn`` and run it, and all it calls, eagerly,
+    saying ``reason`` where a graph break is an error (``fullgraph=True``).
+
+    What ``torch.compiler.disable(fn, reason=...)`` marks on the wrapper it returns (dynamo reads
+    ``_torchdynamo_disable`` and ``_torchdynamo_disable_msg`` on a function it would inline; no public
+    spelling), set on ``fn`` itself, so nothing imports ``torch._dynamo`` (a second, once) and no wrapper
+    costs a call; its frames run eagerly by :func:`eager_below`.
+    """
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    fn._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    eager_below(fn)

@@ -16,6 +16,7 @@ import torch
 import wrapt
 from torch.utils.hooks import RemovableHandle
 
+from speedups._helpers import compat
 from speedups.accumulation.update_record import UpdateRecord
 
 __all__ = ["Step", "StepOwner"]
@@ -195,15 +196,29 @@ def _outside_graphs(fn: F, box: list[Any]) -> F:
     """``fn`` as the step wraps it, run outside any ``torch.compile`` graph.
 
     torch.compile (dynamo) sees through the step's wrapper to the function it wraps and would trace that
-    alone, skipping the step (no backward, no update): traced, this calls the step itself in a
-    ``torch.compiler.disable`` region (a graph break), where it runs eagerly as usual. Eager cost: none, the
-    step calls ``fn`` itself unless wrapt hands it a bound method.
+    alone, skipping the step (no backward, no update): traced, this calls the step itself through
+    :func:`_step_runs_eagerly`, which dynamo never traces (a graph break; with ``fullgraph=True`` an error
+    that says why and what to compile instead), where it runs eagerly as usual. Eager cost: none, the step
+    calls ``fn`` itself unless wrapt hands it a bound method.
     """
 
     @functools.wraps(fn)
     def step_body(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # dynamo imports itself; made when traced only
-            return torch.compiler.disable(box[0]())(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced by dynamo: the step, eagerly
+            return _step_runs_eagerly(box[0](), args, kwargs)
         return fn(*args, **kwargs)
 
     return step_body  # type: ignore[return-value]
+
+
+def _step_runs_eagerly(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call ``step``; ``torch.compile`` breaks its graph here and runs this, and all below it, eagerly."""
+    return step(*args, **kwargs)
+
+
+compat.graph_break_at(
+    _step_runs_eagerly,
+    "an @accumulate step runs eagerly: its backward and optimizer update belong in no graph. With "
+    "fullgraph=True, compile the model or the loss computation and call the step outside the compiled "
+    "function: `model = torch.compile(model, fullgraph=True)`, then `train_step(x, y)` in the loop",
+)

@@ -226,6 +226,19 @@ def test_a_compiled_caller_runs_the_step_and_its_function_eagerly_and_compiles_n
 
 
 @pytest.mark.slow
+def test_fullgraph_compile_of_a_function_calling_the_step_names_accumulate_and_the_fix() -> None:
+    """fullgraph=True cannot hold the step (backward, optimizer update): the error said `torch.compiler
+    .disable()` was called inside a compiled region; it names @accumulate and what to compile instead."""
+    m = _model()
+    step = accumulate(2, torch.optim.SGD(m.parameters(), lr=0.1))(lambda x, y: F.mse_loss(m(x), y))
+    run = torch.compile(lambda x, y: step(x * 2.0, y), backend="eager", fullgraph=True)
+    told = r"an @accumulate step runs eagerly.*torch.compile\(model, fullgraph=True\)"
+    with pytest.raises(Exception, match=told):
+        run(*_data()[0])
+    assert step.step == 0 and all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.slow
 def test_a_step_method_called_from_a_compiled_method_trains_as_the_eager_one() -> None:
     class Loop:
         def __init__(self) -> None:
