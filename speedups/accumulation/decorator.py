@@ -139,6 +139,7 @@ def accumulate(
                 f"returns the micro-batch loss; decorate `def train_step(x, y): return loss_fn(model(x), y)`."
             )
         sync = grad_sync_for(model)
+        sync.check_window(every if enabled else 1, micro_batch_size is not None)  # before anything changes
         plan = None
         if memory_budget is not None:
             if sync.kind is SyncKind.FSDP2:

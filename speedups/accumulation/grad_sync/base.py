@@ -62,6 +62,10 @@ class GradSync:
         self.group = group
         self.zeroed: set[int] = set()  # ids of parameters this strategy gave a zero gradient (DDP, a flush)
 
+    def check_window(self, every: int, micro_batches: bool) -> None:
+        """Refuse, at decoration, a window of ``every`` calls (split into micro-batches or not) this strategy
+        cannot run; every window is fine here."""
+
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         """Return the context a micro-step's forward and backward run in (``boundary``: it ends a window)."""
         return NULL_CONTEXT

@@ -18,6 +18,7 @@ from speedups.accumulation.grad_sync.base import (
     SyncKind,
     count_dtype,
 )
+from speedups.errors import SpeedupsError
 
 __all__ = ["DDPSync"]
 
@@ -41,6 +42,32 @@ class DDPSync(DataParallelSync):
         self.used: dict[int, list[bool]] = {}  # id(param) -> [really got a gradient], after a flush
         self.handles: list[Any] = []
         self.stale: list[torch.Tensor] = []  # had a gradient in the flushed window, on this rank
+
+    def check_window(self, every: int, micro_batches: bool) -> None:
+        """Refuse a window over a ``DDP(static_graph=True)`` that has not had its first synchronised backward.
+
+        DDP learns a static graph in the first backward it reduces; a ``no_sync()`` backward before that
+        fails inside PyTorch's reducer ("expect_autograd_hooks_ INTERNAL ASSERT FAILED",
+        pytorch/pytorch#143580, plain PyTorch too), and a window's calls before its boundary (and a split
+        call's micro-batches) run in ``no_sync()``. A static graph that already ran is accepted.
+
+        Raises:
+            SpeedupsError: ``every`` > 1 or micro-batching over such a model (the message names the fix).
+        """
+        ddp = self.model
+        learnt = getattr(ddp, "_static_graph_delay_allreduce_enqueued", True)  # its first reduce ran
+        if (every == 1 and not micro_batches) or not getattr(ddp, "static_graph", False) or learnt:
+            return
+        what = f"accumulate({every}, ...)" if every > 1 else "accumulate(..., micro_batch_size=...)"
+        raise SpeedupsError(
+            f"{what} over DistributedDataParallel(static_graph=True): DDP learns a static graph from its "
+            f"first synchronised backward, and the window's calls before its boundary run in no_sync(), "
+            f"whose backward fails inside PyTorch's reducer before that "
+            f"('expect_autograd_hooks_ INTERNAL ASSERT FAILED', pytorch/pytorch#143580). "
+            f"Wrap the model without static_graph: ddp_wrap(model), or "
+            f"find_unused_parameters=True where some parameters go unused; with accumulation DDP reduces "
+            f"once per window, so a static graph saves little."
+        )
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
         return NULL_CONTEXT if boundary and not self.boundary_flushes else self.model.no_sync()
