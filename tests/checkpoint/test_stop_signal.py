@@ -223,3 +223,46 @@ def test_two_ranks_agree_on_one_call_with_a_round_every_fraction_of_a_second() -
     for s in stops.values():
         assert int(s["rounds"]) < calls[0] / 10, stops  # an all-reduce every ~0.2 s, not every call
         assert s["received"] == ("SIGUSR1" if s is stops["rank1"] else "None"), stops
+
+
+_START_UP = """
+import os, signal, sys, torch
+from speedups import RunDirectory, accumulate
+
+early = sys.argv[2] == "before"
+if early:
+    os.kill(os.getpid(), signal.SIGTERM)  # before anything of speedups is made: nothing was installed
+run = RunDirectory(sys.argv[1], every_updates=100)  # made first: it hears the rest of the start-up
+if not early:
+    os.kill(os.getpid(), signal.SIGTERM)  # while the model is built and the data loaded
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = accumulate(2, opt)(lambda x: model(x).sum())
+values = run.resume(model=model, optimizer=opt, step=step)
+for i in range(4):
+    step(torch.ones(1, 2))
+    run.after_step(i=i)
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_sigterm_during_start_up_exits_75_once_the_run_directory_exists_and_is_killed_before(
+    tmp_path: Path, when: str
+) -> None:
+    """Decided in issue 37: nothing is installed at import (a library does not change how a process dies by
+    being imported). A SIGTERM before the RunDirectory exists kills the process the default way, nothing
+    saved (-15; 143 in a shell); one after it is heard: saved at the first micro-step, exit 75."""
+    done = subprocess.run(
+        [sys.executable, "-c", _START_UP, str(tmp_path), when],
+        cwd=ROOT, env=_env(None), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    saved = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-"))
+    if when == "before":
+        assert done.returncode == -signal.SIGTERM, done.stderr
+        assert saved == []
+    else:
+        assert done.returncode == EXIT_CODE == 75, done.stderr
+        assert "finished" not in done.stdout and saved == ["ckpt-000000.pt"]
+        assert checkpoint_values(tmp_path / saved[0]) == {"i": 0}  # after the first micro-step, mid-window
