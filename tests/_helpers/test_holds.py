@@ -162,3 +162,53 @@ def test_a_forked_child_that_exits_neither_removes_the_parents_lock_nor_writes_i
     with open(tmp_path / "metrics.csv", newline="") as f:
         steps = [int(row["step"]) for row in csv.DictReader(f)]
     assert steps == list(range(20))  # each row once: the child's copy of the buffer went to /dev/null
+
+
+_BARE_HOLD = """
+import os, sys, time
+from pathlib import Path
+from speedups._helpers.holds import PathHold, fork_guard
+
+hold = PathHold(Path(sys.argv[1]), lambda pid: f"taken by {pid}")
+hold.acquire()
+fork_guard._FILES.clear()  # the child keeps its copy of the descriptor: only the lock's kind is tested
+if os.fork() == 0:
+    os.write(1, f"child {os.getpid()}\\n".encode())
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_the_hold_itself_is_never_held_by_a_forked_child_that_keeps_the_descriptor(tmp_path: Path) -> None:
+    """The two defences apart: without the fork guard, the child shares the lock file's open file; an
+    ``flock`` lock would stay with it after the holder is killed, a POSIX record lock goes with the holder."""
+    lock = tmp_path / "x.lock"
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_BARE_HOLD), str(lock)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = 0
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("child"), line
+        child = int(line.split()[1])
+        with pytest.raises(SpeedupsError, match=rf"^taken by {process.pid}$"):
+            PathHold(lock, _clash).acquire()
+        process.kill()
+        process.wait()
+        os.kill(child, 0)  # the child lives, with its copy of the descriptor
+        taken = PathHold(lock, _clash)
+        taken.acquire()  # at once
+        assert taken.held
+        taken.release()
+    finally:
+        process.kill()
+        process.wait()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
