@@ -14,6 +14,7 @@ from speedups.checkpoint import (
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.kernels import deterministic, fast_kernels
 from speedups.memory import (
     AccumulationPlan,
     accumulation_plan,
@@ -39,7 +40,6 @@ from speedups.parallel import (
 )
 from speedups.precision import mixed_precision
 from speedups.profiling import StepProfiler, check, profile_steps
-from speedups.reproducible import deterministic
 from speedups.sharding import shard_model, unshard_model
 from speedups.tracking import LossTracker
 
@@ -68,6 +68,7 @@ __all__ = [
     "destroy_distributed",
     "deterministic",
     "distributed",
+    "fast_kernels",
     "fast_loader",
     "find_batch_size",
     "gather",

@@ -149,7 +149,9 @@ class mixed_precision:  # lowercase like torch.autocast: used as a function/cont
                 if env.rank() == 0:
                     warnings.warn(
                         f"mixed_precision('auto'): {why}; staying in fp32 (autocast off). Pass "
-                        f"mixed_precision('bf16') to force it anyway, or enabled=False to silence this.",
+                        f"mixed_precision('bf16') to force it anyway, or enabled=False to silence this. For "
+                        f"fp32 speed, speedups.fast_kernels(model) turns on TF32 for matmuls and "
+                        f"convolutions on an NVIDIA GPU (Ampere on) and channels_last convolutions anywhere.",
                         SpeedupsWarning,
                         stacklevel=2,
                     )

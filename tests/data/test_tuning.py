@@ -446,7 +446,7 @@ def test_the_plan_never_gets_more_threads_than_the_step_was_fastest_with(monkeyp
 
 
 def test_the_users_thread_settings_are_respected(monkeypatch: pytest.MonkeyPatch, threads_kept) -> None:
-    from speedups.reproducible import deterministic
+    from speedups.kernels.reproducible import deterministic
 
     _two_cores(monkeypatch)
     ran = _fake_timing(monkeypatch, {(0, 2): 10.0, (0, 1): 100.0})

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedups import fast_loader
-from speedups.reproducible import deterministic
+from speedups.kernels.reproducible import deterministic
 from tests._loading_data import Augmented
 
 

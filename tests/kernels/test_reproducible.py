@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speedups import SpeedupsError, SpeedupsWarning
-from speedups.reproducible import CUBLAS_CONFIG, deterministic
+from speedups.kernels.reproducible import CUBLAS_CONFIG, deterministic
 from tests._dist import ROOT, WORKERS
 
 
@@ -194,7 +194,7 @@ def test_two_fresh_runs_with_two_workers_and_augmentation_give_bitwise_equal_wei
 # ------------------------------------------------------------------------------------------------ CUDA only
 _CUDA_TWICE = """
 import torch
-from speedups.reproducible import deterministic
+from speedups.kernels.reproducible import deterministic
 
 switch = deterministic(seed=0)  # first, before any CUDA work: cuBLAS then reads the variable
 conv = torch.nn.Conv2d(3, 8, 3).cuda()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from speedups._helpers import env, validate
+from speedups._helpers import env, kernel_switches, validate
 from speedups._helpers.rng import get_rng_states, set_rng_states
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.parallel.seeding import seed_everything
@@ -45,7 +45,8 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
 
     ``restore()`` (or leaving the ``with`` block) puts back the flags, the variable (removed if it was
     unset) and the global random states of before the call (CUDA's if it was initialised). Restore nested
-    switches innermost first. ``enabled=False`` changes nothing.
+    switches innermost first. ``enabled=False`` changes nothing. Refused while :func:`~speedups.fast_kernels`
+    is in force (it sets the opposite flags), and refuses it.
 
     Args:
         seed: an int in [0, 2**32 - 1]; None leaves the random states as they are.
@@ -55,7 +56,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
 
     Raises:
         TypeError, ValueError: a bad argument (nothing is changed then).
-        SpeedupsError: ``with`` on a switch already restored.
+        SpeedupsError: :func:`~speedups.fast_kernels` in force; ``with`` on a switch already restored.
 
     Example:
         >>> with deterministic(seed=0) as switch:
@@ -94,6 +95,13 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         """What it cannot make deterministic here, in words."""
         self._saved: dict[str, Any] | None = None
         if enabled:
+            opposite = kernel_switches.find("fast_kernels")
+            if opposite is not None:
+                raise SpeedupsError(
+                    f"{said}: {type(opposite).__name__}(...) is in force, and a reproducible run needs the "
+                    f"opposite (cuDNN autotuning off, no TF32). Restore it first: switch.restore() (or leave "
+                    f"its with block), then deterministic(seed={seed!r})."
+                )
             self._apply()
 
     @property
@@ -120,6 +128,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         if before not in _DETERMINISTIC_CUBLAS:
             os.environ[CUBLAS_CONFIG] = ":4096:8"
         self._saved = saved
+        kernel_switches.enter("deterministic", self)
         self.changed = {
             "torch.backends.cudnn.deterministic": (saved["cudnn.deterministic"], True),
             "torch.backends.cudnn.benchmark": (saved["cudnn.benchmark"], False),
@@ -156,6 +165,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         saved, self._saved = self._saved, None
         if saved is None:
             return
+        kernel_switches.leave(self)
         cudnn = torch.backends.cudnn
         cudnn.deterministic, cudnn.benchmark = saved["cudnn.deterministic"], saved["cudnn.benchmark"]
         algorithms, warn_only = saved["deterministic_algorithms"]
