@@ -25,6 +25,8 @@ from speedups.kernels import tf32
 
 RAISES = "raises"  # what a view reads when torch refuses to read it (a state set by mixing the APIs)
 NEW_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+# torch's default for cuda matmuls ("none" on torch 2.14: inherit), read rather than assumed
+UNSET = torch.backends.cuda.matmul.fp32_precision if NEW_API else "none"
 needs_new_api = pytest.mark.skipif(not NEW_API, reason="torch before 2.9 has no fp32_precision settings")
 
 
@@ -50,7 +52,11 @@ def _views() -> dict[str, Any]:
         reads["mkldnn.matmul.fp32_precision"] = lambda: torch.backends.mkldnn.matmul.fp32_precision
         reads["cudnn.conv.fp32_precision"] = lambda: cudnn.conv.fp32_precision
         reads["cudnn.rnn.fp32_precision"] = lambda: cudnn.rnn.fp32_precision
-    return {name: _read(read) for name, read in reads.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore"
+        )  # torch 2.9's notice on reading the older settings: not under test here
+        return {name: _read(read) for name, read in reads.items()}
 
 
 def _put_back_views(views: dict[str, Any]) -> None:
@@ -92,6 +98,18 @@ def ampere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
 
 
+@pytest.fixture
+def cublas_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deterministic() without its warning on a GPU machine where CUDA was initialised by an earlier test."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's device is its CPU, on a GPU machine too."""
+    monkeypatch.setattr(env, "device", lambda *a, **k: torch.device("cpu"))
+
+
 def _net(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -121,7 +139,7 @@ CL = torch.channels_last
 
 # ----------------------------------------------------------------------- TF32: every start state, both APIs
 _MATMUL_STARTS = list(
-    itertools.product(["highest", "high", "medium"], ["none", "ieee", "tf32"], ["none", "ieee", "bf16"])
+    itertools.product(["highest", "high", "medium"], [UNSET, "ieee", "tf32"], [UNSET, "ieee", "bf16"])
 )
 
 
@@ -157,7 +175,7 @@ def test_matmul_tf32_is_set_in_every_view_that_was_readable_then_put_back_exactl
     assert _views() == before
 
 
-_CUDNN_STARTS = list(itertools.product([True, False], ["none", "ieee", "tf32"], ["none", "ieee", "tf32"]))
+_CUDNN_STARTS = list(itertools.product([True, False], [UNSET, "ieee", "tf32"], [UNSET, "ieee", "tf32"]))
 
 
 @needs_new_api
@@ -251,7 +269,7 @@ def test_on_an_ampere_gpu_every_flag_is_set_then_put_back(monkeypatch: pytest.Mo
     assert "TF32 for cuDNN" in switch.already  # torch's default allows it already
     if NEW_API:
         assert after["cuda.matmul.fp32_precision"] == "tf32"
-        assert switch.changed["torch.backends.cuda.matmul.fp32_precision"] == ("none", "tf32")
+        assert switch.changed["torch.backends.cuda.matmul.fp32_precision"] == (UNSET, "tf32")
     assert "set torch.backends.cudnn.benchmark: False -> True" in repr(switch)
     switch.restore()
     assert _views() == before and not switch.active
@@ -328,6 +346,7 @@ def test_cudnn_autotuning_is_kept_off_under_deterministic_algorithms_set_by_hand
 
 
 # --------------------------------------------------------------------------- the switch, on this CPU for real
+@pytest.mark.usefixtures("cpu")
 def test_on_a_cpu_auto_leaves_the_flags_with_one_warning_that_says_why() -> None:
     before = _views()
     with pytest.warns(
@@ -345,6 +364,7 @@ def test_on_a_cpu_auto_leaves_the_flags_with_one_warning_that_says_why() -> None
         fast_kernels(tf32=False, cudnn_benchmark=False).restore()
 
 
+@pytest.mark.usefixtures("cpu")
 @pytest.mark.parametrize("name", ["tf32", "cudnn_benchmark"])
 def test_on_a_cpu_an_explicit_true_is_refused_before_anything_changes(name: str) -> None:
     model, before = _net(), _views()
@@ -424,6 +444,7 @@ def test_with_on_a_restored_switch_is_refused() -> None:
 
 
 # -------------------------------------------------------------------------------- deterministic, both orders
+@pytest.mark.usefixtures("cublas_set")
 def test_fast_kernels_inside_deterministic_is_refused_before_anything_changes() -> None:
     model = _net()
     layouts = _layouts(model)
@@ -438,6 +459,7 @@ def test_fast_kernels_inside_deterministic_is_refused_before_anything_changes() 
     fast_kernels(model, tf32=False, cudnn_benchmark=False).restore()  # allowed once restored
 
 
+@pytest.mark.usefixtures("cublas_set")
 def test_deterministic_inside_fast_kernels_is_refused_before_anything_changes() -> None:
     with fast_kernels(_net(), tf32=False, cudnn_benchmark=False):
         inside, rng = _views(), torch.get_rng_state()
@@ -453,6 +475,7 @@ def test_deterministic_inside_fast_kernels_is_refused_before_anything_changes() 
 
 
 # -------------------------------------------------------------------------------------- off, and bad input
+@pytest.mark.usefixtures("cublas_set")
 def test_enabled_false_changes_nothing_anywhere() -> None:
     model, before = _net(), _views()
     layouts = _layouts(model)
@@ -520,16 +543,19 @@ def test_on_a_real_gpu_the_switch_sets_and_restores_and_convolutions_stay_close(
     x = torch.randn(8, 3, 32, 32, device=device)
     expected = plain(x)
     before = _views()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # what the switch itself says
         warnings.simplefilter("always")
         switch = fast_kernels(model, tf32=ampere or "auto")
-        got = model(x.to(memory_format=CL))
-        assert torch.backends.cudnn.benchmark is True and switch.convolutions == 2
-        if ampere:  # both views agree and can be read (inductor reads the older ones)
-            assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32 is True
-            assert torch.backends.cuda.matmul.allow_tf32 is True
+    got = model(x.to(memory_format=CL))
+    assert torch.backends.cudnn.benchmark is True and switch.convolutions == 2
+    if ampere:  # both views agree and can be read (inductor reads the older ones)
+        assert _views()["get_float32_matmul_precision"] == "high" and _views()["cudnn.allow_tf32"] is True
+        assert _views()["cuda.matmul.allow_tf32"] is True
+    with warnings.catch_warnings(record=True) as more:
+        warnings.simplefilter("always")
         switch.restore()
-    assert not [w for w in caught if "TF32" in str(w.message) or "fp32_precision" in str(w.message)], caught
+    torch_said = [w for w in caught + more if not issubclass(w.category, SpeedupsWarning)]
+    assert not torch_said, [str(w.message) for w in torch_said]  # no TF32 notice from torch, on any version
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # TF32: 10-bit mantissa products
     assert _views() == before
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
