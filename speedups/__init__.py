@@ -14,7 +14,7 @@ from speedups.checkpoint import (
 from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
-from speedups.kernels import deterministic, fast_kernels
+from speedups.kernels import compile_blocks, deterministic, fast_kernels, uncompile_blocks
 from speedups.memory import (
     AccumulationPlan,
     accumulation_plan,
@@ -63,6 +63,7 @@ __all__ = [
     "check",
     "checkpoint_activations",
     "checkpoint_values",
+    "compile_blocks",
     "ddp_wrap",
     "default_device",
     "destroy_distributed",
@@ -90,6 +91,7 @@ __all__ = [
     "shard_model",
     "to_device",
     "tune_loader",
+    "uncompile_blocks",
     "uncheckpoint_activations",
     "unshard_model",
     "world_size",

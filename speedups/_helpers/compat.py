@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "uncompile_module",
     "NOT_COMPILING",
     "checkpoint_region",
     "eager_frames",
@@ -262,3 +263,12 @@ def graph_break_at(fn: Callable[..., Any], reason: str) -> None:
     fn._torchdynamo_disable = True  # type: ignore[attr-defined]
     fn._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
     eager_below(fn)
+
+
+def uncompile_module(module: nn.Module) -> None:
+    """Undo ``module.compile()``: its calls run the eager ``_call_impl`` again.
+
+    ``nn.Module.compile`` stores ``torch.compile(self._call_impl)`` as ``_compiled_call_impl``, which
+    ``__call__`` prefers; torch has no public undo, so the attribute goes back to its class default (None).
+    """
+    module.__dict__.pop("_compiled_call_impl", None)

@@ -63,8 +63,11 @@ def _matches(pattern: str, name: str) -> bool:
     )
 
 
-def pick_modules(model: nn.Module, names: Any, call: str) -> list[tuple[str, nn.Module]]:
-    """The outermost modules of ``model`` that ``names`` picks, in ``named_modules()`` order.
+def pick_modules(
+    model: nn.Module, names: Any, call: str, done: str = "checkpointed"
+) -> list[tuple[str, nn.Module]]:
+    """The outermost modules of ``model`` that ``names`` picks, in ``named_modules()`` order (``call``: the
+    call as written, for messages; ``done``: what happens to a block picked, "checkpointed", "compiled").
 
     Raises:
         TypeError: ``names`` is not a string, a module class, or a list of them.
@@ -74,7 +77,7 @@ def pick_modules(model: nn.Module, names: Any, call: str) -> list[tuple[str, nn.
     if not isinstance(entries, (list, tuple)) or not all(isinstance(e, (str, type)) for e in entries):
         raise TypeError(
             f"{call}: names must be a submodule name or pattern (str), a module class, or a list of them; "
-            f"got {short(names)}. Write e.g. checkpoint_activations(model, 'blocks.*') or (model, [Block])."
+            f"got {short(names)}. Write e.g. {call.split('(')[0]}(model, 'blocks.*') or (model, [Block])."
         )
     bad = [e for e in entries if isinstance(e, type) and not issubclass(e, nn.Module)]
     if bad:
@@ -100,7 +103,7 @@ def pick_modules(model: nn.Module, names: Any, call: str) -> list[tuple[str, nn.
             if isinstance(m, CONTAINERS):
                 raise ValueError(
                     f"{call}: {short(entry)} picks {n!r}, a {type(m).__name__}, which is never called itself "
-                    f"(its modules are), so nothing would be checkpointed. Name its modules: "
+                    f"(its modules are), so nothing would be {done}. Name its modules: "
                     f"{(n + '.*')!r}."
                 )
             picked.setdefault(id(m), (n, m))

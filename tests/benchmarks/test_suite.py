@@ -66,3 +66,14 @@ def test_overhead_benchmark_quick_mode_prints_every_wrapper_and_its_line() -> No
     assert re.search(line, out.stdout), out.stdout
     for row in ("| @accumulate | hand loop |", "| floor | hand loop |", "| mixed_precision | autocast |"):
         assert row in out.stdout
+
+
+def test_compile_benchmark_quick_mode_prints_its_line_and_the_table() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile", "--quick", "--backend", "aot_eager"], cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = r"compile: blocks compile \d+\.\dx faster than the whole model; step \d+\.\d\dx of the whole model"
+    assert re.search(line, out.stdout), out.stdout
+    assert "| whole |" in out.stdout and "| blocks |" in out.stdout

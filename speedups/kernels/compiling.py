@@ -1,0 +1,144 @@
+"""Compile by block name: ``torch.compile`` on the repeated blocks of a model, not the whole model.
+
+A model of many identical blocks (a transformer's layers) compiled whole is traced and optimised block by
+block, each as new code: minutes of compile time that grow with depth. Compiling each block's call instead
+(PyTorch's "regional compilation" recipe) compiles the block's code once and reuses it for every block of the
+same class and shapes (dynamo guards on the module, then recompiles only the guards), at the price of a
+graph break between blocks. :func:`compile_blocks` does it by the names :func:`checkpoint_activations` takes,
+in place and with an undo (:func:`uncompile_blocks`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from speedups._helpers import compat
+from speedups._helpers.validate import short
+from speedups._helpers.wrappers import unwrap
+from speedups.errors import SpeedupsError
+from speedups.memory.blocks import NameSpec, overlaps, pick_modules
+
+__all__ = ["compile_blocks", "compiled_blocks", "uncompile_blocks"]
+
+M = TypeVar("M", bound=nn.Module)
+_ATTR = "_speedups_compile_options"  # on a block compile_blocks compiled: the options it was given
+
+
+def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options: Any) -> M:
+    """Compile the named blocks of ``model`` with ``torch.compile``, in place; the rest runs eagerly.
+
+    Each block picked gets ``block.compile(**options)`` (``nn.Module.compile``: its call, hooks included,
+    compiled on the first call; the module, its parameters and its ``state_dict`` keys unchanged, so
+    checkpoints load either way). Blocks of one class compile once and reuse the code: PyTorch's regional
+    compilation recipe (pytorch.org/tutorials/recipes/regional_compilation.html); cold compile time grows
+    with the number of distinct blocks, not with depth. What it costs: a graph break between blocks (the
+    code around them runs eagerly), so the step may be a little slower than the whole model compiled
+    (``benchmarks/compile.py`` gives both). Composes with ``@accumulate`` (micro-batching too),
+    ``mixed_precision``, ``ddp_wrap`` and FSDP2 in either order (names are the plain model's), and
+    checkpoints. Sync points: none; the first call of each block compiles (seconds).
+
+    Args:
+        model: the model (plain, DDP-wrapped, FSDP2-sharded or compiled); its plain module's blocks are
+            compiled in place.
+        names: a dotted submodule name, a pattern (``"blocks.*"``, ``"transformer.h.*"``; a ``*`` matches
+            one part of a dotted name), a module class, or a list of them, as for
+            :func:`~speedups.checkpoint_activations`. Of the modules picked, only the outermost are compiled.
+        enabled: False returns ``model`` untouched.
+        **options: ``torch.compile``'s keyword arguments (``backend``, ``mode``, ``dynamic``,
+            ``fullgraph``, ``options``, ``disable``).
+
+    Returns:
+        ``model`` itself. Undo with :func:`uncompile_blocks`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``names`` is not a name, pattern, class or list; an
+            option ``torch.compile`` does not take.
+        ValueError: ``names`` is empty or an entry matches no submodule (the message lists the blocks).
+        SpeedupsError: a block picked lies inside or around one already compiled (by this or by
+            ``module.compile()``). Nothing is compiled when it raises.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> model = compile_blocks(model, ["0", "2"], backend="eager")
+        >>> compiled_blocks(model)
+        ['0', '2']
+        >>> compiled_blocks(uncompile_blocks(model))
+        []
+    """
+    shown = type(model).__name__ if isinstance(model, nn.Module) else short(model)
+    call = f"compile_blocks({shown}, {short(names)})"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}: model must be an nn.Module, got {type(model).__name__}. Pass your model.")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{call}: enabled must be True or False, got {short(enabled)}.")
+    allowed = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"{call}: {unknown[0]}= is not an option of torch.compile; it takes {', '.join(allowed)}. "
+            f"Write e.g. compile_blocks(model, 'blocks.*', mode='max-autotune')."
+        )
+    picked = pick_modules(model, names, call, done="compiled")
+    if not enabled:
+        return model
+    done = [(n, m) for n, m in unwrap(model).named_modules() if _compiled(m)]
+    for name, module in picked:
+        clash = next((n for n, m in done if m is module or overlaps(m, module)), None)
+        if clash is not None:
+            same = unwrap(model).get_submodule(clash) is module
+            where = "is already compiled" if same else f"lies inside or around {clash!r}, which is compiled"
+            raise SpeedupsError(
+                f"{call}: {name!r} {where} (by compile_blocks or module.compile()). Call "
+                f"uncompile_blocks(model) first, then compile the blocks you want in one call."
+            )
+    for _, module in picked:
+        module.compile(**options)
+        setattr(module, _ATTR, dict(options))
+    return model
+
+
+def uncompile_blocks(model: M, names: NameSpec | None = None) -> M:
+    """Undo :func:`compile_blocks`: the blocks run eagerly again (their compiled code is dropped).
+
+    Args:
+        model: the model given to :func:`compile_blocks` (or its wrapper).
+        names: which compiled blocks to undo, picked as :func:`compile_blocks` picks them (a compiled block
+            inside a module picked counts as picked). None: every one.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``names`` of the wrong type.
+        ValueError: an entry of ``names`` matches no submodule.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"uncompile_blocks({short(model)}): model must be an nn.Module.")
+    roots = [unwrap(model)]
+    if names is not None:
+        roots = [
+            m for _, m in pick_modules(model, names, f"uncompile_blocks(model, {short(names)})", "compiled")
+        ]
+    for root in roots:
+        for module in root.modules():
+            if getattr(module, _ATTR, None) is not None:
+                compat.uncompile_module(module)
+                delattr(module, _ATTR)
+    return model
+
+
+def compiled_blocks(model: nn.Module) -> list[str]:
+    """The dotted names of ``model``'s blocks that :func:`compile_blocks` compiled, in ``named_modules()``
+    order (a deep copy or an unpickled model has none: ``nn.Module`` drops its compiled call then)."""
+    return [
+        n for n, m in unwrap(model).named_modules() if getattr(m, _ATTR, None) is not None and _compiled(m)
+    ]
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s call is compiled (by :func:`compile_blocks` or ``module.compile()``)."""
+    return module.__dict__.get("_compiled_call_impl") is not None

@@ -1,0 +1,174 @@
+"""compile_blocks: torch.compile on the named blocks, in place and undone; against the eager model, here.
+
+backend="eager" (dynamo traces, nothing is lowered) must be bitwise eager; inductor within a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedups import (
+    SpeedupsError,
+    accumulate,
+    checkpoint_activations,
+    compile_blocks,
+    mixed_precision,
+    uncompile_blocks,
+)
+from speedups.kernels.compiling import compiled_blocks
+from tests._models import Blocks
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch.compiler.reset()
+
+
+def _data(calls: int = 6, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(rows, 3, generator=g), torch.randn(rows, 1, generator=g)) for _ in range(calls)]
+
+
+def _train(model: nn.Module, every: int = 3, micro_batch_size: int | None = None, amp: bool = False):
+    """Weights and losses after ``@accumulate(every)`` over 6 calls (dropout from one seed)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def loss_of(x, y):
+        return F.mse_loss(model(x), y)
+
+    if amp:
+        loss_of = mixed_precision("bf16")(loss_of)
+    step = accumulate(every, opt, micro_batch_size=micro_batch_size)(loss_of)
+    torch.manual_seed(1000)
+    losses = [step(x, y).item() for x, y in _data()]
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_blocks_compiled_with_the_eager_backend_train_bitwise_as_the_plain_model_and_undo() -> None:
+    """dynamo traces each block's call (hooks included), dropout draws the same masks: bitwise, @accumulate
+    with and without micro-batching; state_dict keys unchanged; uncompile_blocks leaves no compiled call."""
+    for micro in (None, 4):
+        want = _train(Blocks(depth=3), micro_batch_size=micro)
+        model = Blocks(depth=3)
+        keys = list(model.state_dict())
+        assert compile_blocks(model, "blocks.*", backend="eager") is model
+        assert compiled_blocks(model) == ["blocks.0", "blocks.1", "blocks.2"]
+        assert all(b.__dict__.get("_compiled_call_impl") is not None for b in model.blocks)
+        got = _train(model, micro_batch_size=micro)
+        _same(got[0], want[0])
+        assert got[1] == want[1]
+        assert list(model.state_dict()) == keys  # checkpoints load into the plain model and back
+        plain = Blocks(depth=3)
+        plain.load_state_dict(model.state_dict())
+        _same(list(plain.parameters()), list(model.parameters()))
+        uncompile_blocks(model)
+        assert compiled_blocks(model) == []
+        assert all("_compiled_call_impl" not in b.__dict__ for b in model.modules())
+
+
+def test_blocks_compiled_with_inductor_follow_eager_within_float_rounding() -> None:
+    """Inductor fuses and reorders float sums: within 1e-5 after 2 optimizer steps (AdamW, lr 0.01); its
+    own RNG would draw other dropout masks, so torch's (fallback_random) is used for the comparison."""
+    want = _train(Blocks(depth=2))
+    model = compile_blocks(Blocks(depth=2), "blocks.*", options={"fallback_random": True})
+    got = _train(model)
+    for a, b in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6)
+
+
+def test_compiled_blocks_compose_with_checkpointing_and_mixed_precision() -> None:
+    """Blocks both checkpointed and compiled, or some of each, under bf16 autocast: bitwise (eager
+    backend)."""
+    want = _train(checkpoint_activations(Blocks(depth=3), "blocks.*"), amp=True)
+    for compiled, checkpointed in (("blocks.*", "blocks.*"), (["blocks.0", "blocks.2"], "blocks.1")):
+        model = checkpoint_activations(Blocks(depth=3), checkpointed)
+        compile_blocks(model, compiled, backend="eager")
+        got = _train(model, amp=True)
+        _same(got[0], want[0])
+        assert got[1] == want[1]
+        if compiled == "blocks.*":
+            plain = _train(Blocks(depth=3), amp=True)
+            _same(got[0], plain[0])  # checkpointing changes no value either
+
+
+def test_names_are_the_plain_models_through_wrappers_and_either_order_with_compile() -> None:
+    model = Blocks(depth=2)
+    whole = torch.compile(model, backend="eager")
+    assert compile_blocks(whole, "blocks.1", backend="eager") is whole
+    assert compiled_blocks(model) == ["blocks.1"] and compiled_blocks(whole) == ["blocks.1"]
+    x = torch.randn(4, 3)
+    model.eval()
+    torch.testing.assert_close(whole(x), Blocks(depth=2).eval()(x), rtol=0, atol=0)
+    uncompile_blocks(whole, "blocks.*")
+    assert compiled_blocks(model) == []
+
+
+def test_bad_input_is_refused_before_any_block_is_compiled() -> None:
+    model = Blocks(depth=2)
+    with pytest.raises(TypeError, match=r"compile_blocks\(.*\): model must be an nn.Module, got str"):
+        compile_blocks("model", "blocks.*")  # type: ignore[type-var]
+    with pytest.raises(TypeError, match=r"compile_blocks\(Blocks, 'blocks.\*'\): modee= is not an option of "
+                       r"torch.compile; it takes .*mode"):  # fmt: skip
+        compile_blocks(model, "blocks.*", modee="max-autotune")
+    with pytest.raises(
+        ValueError, match=r"'block.\*' matches no submodule of Blocks. Its blocks are 'inp', 'blocks.0'"
+    ):
+        compile_blocks(model, "block.*")
+    with pytest.raises(ValueError, match=r"picks 'blocks', a ModuleList, .* nothing would be compiled"):
+        compile_blocks(model, "blocks")
+    with pytest.raises(TypeError, match=r"compile_blocks\(model, 'blocks.\*'\) or \(model, \[Block\]\)"):
+        compile_blocks(model, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"enabled must be True or False"):
+        compile_blocks(model, "blocks.*", enabled="yes")  # type: ignore[arg-type]
+    assert compiled_blocks(model) == [] and not any(
+        "_compiled_call_impl" in m.__dict__ for m in model.modules()
+    )
+    assert compile_blocks(model, "blocks.*", enabled=False) is model and compiled_blocks(model) == []
+    compile_blocks(model, "blocks.0", backend="eager")
+    with pytest.raises(SpeedupsError, match=r"'blocks.0' is already compiled .*uncompile_blocks"):
+        compile_blocks(model, "blocks.*", backend="eager")
+    assert compiled_blocks(model) == ["blocks.0"]  # blocks.1 was not compiled before the refusal
+    model.out.compile(backend="eager")  # by hand
+    with pytest.raises(
+        SpeedupsError, match=r"'out' is already compiled \(by compile_blocks or module.compile\(\)\)"
+    ):
+        compile_blocks(model, "out")
+    with pytest.raises(SpeedupsError, match=r"'' lies inside or around 'blocks.0', which is compiled"):
+        compile_blocks(model, "")  # the whole model, around a compiled block
+
+
+def test_a_deep_copy_of_a_model_with_compiled_blocks_runs_eagerly_and_says_so() -> None:
+    model = compile_blocks(Blocks(depth=2), "blocks.*", backend="eager")
+    twin = copy.deepcopy(model)  # nn.Module drops its compiled call when copied or pickled
+    assert all("_compiled_call_impl" not in b.__dict__ for b in twin.blocks)
+    assert compiled_blocks(twin) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_blocks_under_ddp_and_fsdp2_in_either_order_train_bitwise_as_without(tmp_path) -> None:
+    """2 gloo ranks, @accumulate(3, model=...) with a flushed short window; compiled before or after
+    wrapping (FSDP2: the whole model, or each block sharded on its own): bitwise the uncompiled run."""
+    from tests._dist import WORKERS, run_torchrun
+
+    job = run_torchrun(WORKERS / "compile_parallel.py", [str(tmp_path)], nproc=2, timeout=300)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    for rank in (0, 1):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, got in results.items():
+            base = results[name.rsplit("_", 1)[0] + "_plain"]
+            assert got["compiled"] == ([] if name.endswith("plain") else ["blocks.0", "blocks.1"]), name
+            _same(got["params"], base["params"])
+            assert got["losses"] == base["losses"], name
