@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["tree_map"]
+__all__ = ["tree_leaves", "tree_map"]
 
 
 def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
@@ -53,6 +53,26 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool] 
             object.__setattr__(new, f.name, tree_map(fn, getattr(obj, f.name), is_leaf))
         return new
     return fn(obj)
+
+
+def tree_leaves(obj: Any) -> Iterator[Any]:
+    """Yield the leaves of ``obj`` that :func:`tree_map` (without ``is_leaf``) would map, in its order.
+
+    Walks the same containers, without rebuilding any, so it costs no allocation beyond the walk.
+    """
+    if isinstance(obj, (str, bytes)):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tree_leaves(value)
+    elif isinstance(obj, (tuple, list, deque, set, frozenset)):
+        for value in obj:
+            yield from tree_leaves(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tree_leaves(getattr(obj, f.name))
+    else:
+        yield obj
 
 
 def _map_mapping(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from speedups.data.distributed_loader import DistributedLoader
+from speedups.data.prefetching import DevicePrefetcher
 from speedups.errors import SpeedupsError
 
 __all__ = ["EpochPass"]
@@ -48,8 +49,9 @@ class EpochPass:
         """
         if pending:
             self._check_continues(batches, pending)
-        if isinstance(batches, DistributedLoader):  # which loader feeds this step (a resume on another
-            layout = batches.state_dict()  # number of processes checks the global batch with it)
+        loader = _positioned(batches)
+        if loader is not None:  # which loader feeds this step (a resume on another
+            layout = loader.state_dict()  # number of processes checks the global batch with it)
             self.feed = {k: layout[k] for k in ("batch_size", "samples", "world_size")}
         self.resumed = False
         self.running = True
@@ -68,7 +70,8 @@ class EpochPass:
         A window saved inside ``epoch()`` belongs to that epoch; a :class:`DistributedLoader` restored with it
         resumes that epoch mid-way (at least ``pending`` batches in), which is what tells the two apart.
         """
-        position = batches.state_dict() if isinstance(batches, DistributedLoader) else None
+        loader = _positioned(batches)
+        position = None if loader is None else loader.state_dict()
         if self.resumed and (position is None or position["batches"] >= pending):
             return
         where = ""
@@ -91,6 +94,12 @@ class EpochPass:
         """Restore what :meth:`state_dict` returned (the step checked it)."""
         self.resumed = bool(state.get("in_epoch", False)) and pending > 0
         self.feed = state.get("feed")
+
+
+def _positioned(batches: Any) -> DistributedLoader | None:
+    """The :class:`DistributedLoader` ``batches`` is, or that a ``prefetch_to_device`` over it wraps."""
+    loader = batches.loader if isinstance(batches, DevicePrefetcher) else batches
+    return loader if isinstance(loader, DistributedLoader) else None
 
 
 def _length(batches: Any) -> int | None:

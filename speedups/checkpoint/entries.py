@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from speedups._helpers import env
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
+from speedups.data.prefetching import DevicePrefetcher
 
 __all__ = [
     "check_path",
@@ -74,7 +75,7 @@ def split_state(
     for name, value in state.items():
         if name.startswith("_"):
             raise ValueError(f"{call}({name}=...): names starting with '_' are reserved. Rename it.")
-        if _is_stateful(value):
+        if _is_stateful(saved_object(value)):
             objects[name] = value
         elif is_plain(value):
             plain[name] = value
@@ -84,7 +85,7 @@ def split_state(
                 fix = f"Pass it as Python data: {name}={name}.item() (a number) or {name}.tolist() (arrays)."
             elif isinstance(value, dict):
                 fix = "Dicts keep string keys (as JSON), e.g. {'1': ...} for {1: ...}."
-            if isinstance(value, DataLoader):
+            if isinstance(saved_object(value), DataLoader):
                 fix = (
                     f"A plain DataLoader has no state (no position to resume from): build it once, before "
                     f"the loop, as {name} = distributed({name}, seed=0) (it works in one process too; its "
@@ -112,7 +113,10 @@ def check_path(call: str, path: Any) -> Path:
 
 
 def saved_object(obj: Any) -> Any:
-    """The object whose state is saved: a model without its DDP / DataParallel / torch.compile wrappers."""
+    """The object whose state is saved: a model without its DDP / DataParallel / torch.compile wrappers, a
+    loader without its ``prefetch_to_device``."""
+    if isinstance(obj, DevicePrefetcher):
+        return obj.loader
     return unwrap(obj) if isinstance(obj, nn.Module) else obj
 
 

@@ -103,7 +103,7 @@ class DistributedLoader(DataLoader):
         self._resume_batches = 0
         self._start_at(0)
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> _Counting:  # type: ignore[override]
         sampler = self.distributed_sampler
         epoch, skip = self._next_epoch, self._resume_batches
         sampler.set_epoch(epoch)
@@ -304,7 +304,13 @@ def _is_generator_state(value: Any) -> bool:
 
 
 class _Counting:
-    """The DataLoader's iterator, counting batches handed out so the loader knows its position."""
+    """The DataLoader's iterator, counting batches handed out so the loader knows its position.
+
+    ``next()`` is :meth:`draw` then :meth:`advance` (or :meth:`end` when the pass is exhausted). A
+    :class:`~speedups.data.prefetching.DevicePrefetcher` calls the three itself: it draws a batch ahead of
+    the one the step trains on, and advances the position only when it hands a batch to the step, so
+    ``state_dict()`` (and a checkpoint taken then) is the step's position, never the prefetcher's.
+    """
 
     def __init__(self, loader: DistributedLoader, inner: Iterator[Any], epoch: int, skip: int) -> None:
         self._loader, self._inner, self.epoch, self.done = loader, inner, epoch, skip
@@ -318,16 +324,32 @@ class _Counting:
 
     def __next__(self) -> Any:
         try:
-            batch = next(self._inner)
+            batch = self.draw()
         except StopIteration:
-            self.finished = True
-            if self._loader._current is not None and self._loader._current[0] == self.epoch:
-                self._loader._current = None  # finished: the next pass is the next epoch
+            self.end()
             raise
+        self.advance()
+        return batch
+
+    def draw(self) -> Any:
+        """Return the pass's next batch without counting it as handed out (the position stays).
+
+        Raises:
+            StopIteration: the pass has no batch left; the pass itself ends at :meth:`end`.
+        """
+        return next(self._inner)
+
+    def advance(self) -> None:
+        """Count one more batch as handed out to the step: the loader's position moves past it."""
         self.done += 1
         if self._loader._current is not None and self._loader._current[0] == self.epoch:
             self._loader._current = (self.epoch, self.done)
-        return batch
+
+    def end(self) -> None:
+        """End the pass: every batch was handed out, the loader's position is the next epoch's start."""
+        self.finished = True
+        if self._loader._current is not None and self._loader._current[0] == self.epoch:
+            self._loader._current = None  # finished: the next pass is the next epoch
 
 
 def _stream(
