@@ -11,7 +11,15 @@ from speedups.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from speedups.data import DistributedLoader, LoaderReport, distributed, fast_loader, tune_loader
+from speedups.data import (
+    DevicePrefetcher,
+    DistributedLoader,
+    LoaderReport,
+    distributed,
+    fast_loader,
+    prefetch_to_device,
+    tune_loader,
+)
 from speedups.device import default_device, resolve_device, to_device
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.kernels import compile_blocks, deterministic, fast_kernels, uncompile_blocks
@@ -47,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationPlan",
+    "DevicePrefetcher",
     "DistributedLoader",
     "LoaderReport",
     "LossTracker",
@@ -81,6 +90,7 @@ __all__ = [
     "main_process_first",
     "mixed_precision",
     "plot_metrics",
+    "prefetch_to_device",
     "profile_steps",
     "rank",
     "rank_zero_only",

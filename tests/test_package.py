@@ -20,6 +20,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(speedups.__all__) == sorted(
         [
             "AccumulationPlan",
+            "DevicePrefetcher",
             "DistributedLoader",
             "LoaderReport",
             "LossTracker",
@@ -54,6 +55,7 @@ def test_public_names_are_pinned() -> None:
             "main_process_first",
             "mixed_precision",
             "plot_metrics",
+            "prefetch_to_device",
             "profile_steps",
             "rank",
             "rank_zero_only",
