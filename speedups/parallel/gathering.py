@@ -16,6 +16,7 @@ from speedups._helpers import env
 from speedups._helpers.arrival import arrive
 from speedups._helpers.tree import tree_map
 from speedups.data.distributed_loader import DistributedLoader
+from speedups.data.prefetching import DevicePrefetcher
 from speedups.errors import SpeedupsError
 
 __all__ = ["gather"]
@@ -40,7 +41,8 @@ def gather(x: Any, loader: DataLoader | None = None) -> Any:
 
     Args:
         x: this rank's outputs, rows along dim 0.
-        loader: the :class:`~speedups.DistributedLoader` that produced them, after its pass.
+        loader: the :class:`~speedups.DistributedLoader` that produced them (or ``prefetch_to_device`` of
+            it), after its pass.
 
     Returns:
         The same structure as ``x``, each tensor holding the rows of all ranks.
@@ -59,6 +61,8 @@ def gather(x: Any, loader: DataLoader | None = None) -> Any:
         >>> gather(out, loader).tolist()                           # dataset order
         [0, 10, 20, 30, 40, 50]
     """
+    if isinstance(loader, DevicePrefetcher):
+        loader = loader.loader  # prefetch_to_device(loader): the samples are its loader's
     leaves: list[torch.Tensor] = []
     tree_map(lambda leaf: leaves.append(_tensor(leaf)), x)
     rows = {int(t.shape[0]) for t in leaves}

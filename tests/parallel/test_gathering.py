@@ -126,3 +126,12 @@ def test_rows_that_do_not_match_the_loaders_pass_are_refused_both_ways() -> None
     dropping = distributed(DataLoader(_data(10), batch_size=4, drop_last=True))
     rows = torch.cat([_model(xb) for xb, _ in dropping])
     assert rows.shape[0] == 8 and torch.equal(gather(rows, dropping), rows)  # the dropped tail is no row
+
+
+def test_gather_takes_the_loader_through_prefetch_to_device() -> None:
+    from speedups import prefetch_to_device
+
+    data = _data(10)
+    loader = distributed(DataLoader(data, batch_size=3, shuffle=True), rank=0, world_size=1)
+    ahead = prefetch_to_device(loader, "cpu")
+    _check(gather(_eval(ahead), ahead), data)
