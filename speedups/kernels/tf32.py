@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Change", "allow_cudnn", "allow_matmul"]
+__all__ = ["Change", "allow_cudnn", "allow_matmul", "cudnn_allowed", "matmul_allowed"]
 
 # The notes page torch 2.9's notice on its older TF32 calls links to ("Please use the new API settings to
 # control TF32 behavior ..."); later releases dropped the notice (torch 2.14 has none).
@@ -61,20 +61,40 @@ def _precision(owner: Any) -> bool:
     return owner is not None and hasattr(owner, "fp32_precision")
 
 
-def allow_matmul() -> Change | None:
-    """Let fp32 matmuls on CUDA use TF32; return what changed, or None when they already may."""
+def matmul_allowed() -> bool:
+    """Whether fp32 matmuls on CUDA may use TF32 now, through whichever settings torch has (changes nothing).
+
+    Where torch has the newer settings they decide (the older view may refuse to be read, see the module
+    docstring); before torch 2.9, ``"high"`` or ``"medium"`` matmul precision is TF32 or faster.
+    """
     cuda = torch.backends.cuda.matmul
     if not _precision(cuda):  # before torch 2.9: the one older setting
-        if torch.get_float32_matmul_precision() != "highest":  # "high" or "medium": TF32 (or faster) already
-            return None
+        return bool(torch.get_float32_matmul_precision() != "highest")
+    return bool(cuda.fp32_precision == "tf32")
+
+
+def cudnn_allowed() -> bool:
+    """Whether cuDNN's fp32 convolutions and RNNs may both use TF32 now (changes nothing; torch's default)."""
+    cudnn = torch.backends.cudnn
+    conv, rnn = getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)
+    if not (_precision(conv) and _precision(rnn)):  # before torch 2.9: the one older setting
+        return bool(cudnn.allow_tf32)
+    assert conv is not None and rnn is not None  # for mypy: _precision checked them
+    return bool((conv.fp32_precision, rnn.fp32_precision) == ("tf32", "tf32"))
+
+
+def allow_matmul() -> Change | None:
+    """Let fp32 matmuls on CUDA use TF32; return what changed, or None when they already may."""
+    if matmul_allowed():
+        return None
+    cuda = torch.backends.cuda.matmul
+    if not _precision(cuda):  # before torch 2.9: the one older setting ("highest")
         torch.set_float32_matmul_precision("high")
         return Change(
             {"torch.set_float32_matmul_precision": ("highest", "high")},
             lambda: torch.set_float32_matmul_precision("highest"),
         )
     before = cuda.fp32_precision
-    if before == "tf32":
-        return None
     cpu = getattr(torch.backends.mkldnn, "matmul", None)
     cpu = cpu if _precision(cpu) else None  # the old call also sets oneDNN's (CPU) matmuls: kept as they are
     cpu_before = None if cpu is None else cpu.fp32_precision
@@ -105,19 +125,17 @@ def allow_cudnn() -> Change | None:
 
     torch's default already allows it; only a run that turned it off is changed.
     """
+    if cudnn_allowed():
+        return None
     cudnn = torch.backends.cudnn
     conv, rnn = getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)
-    if not (_precision(conv) and _precision(rnn)):  # before torch 2.9: the one older setting
-        if cudnn.allow_tf32:
-            return None
+    if not (_precision(conv) and _precision(rnn)):  # before torch 2.9: the one older setting (False)
         cudnn.allow_tf32 = True
         return Change(
             {"torch.backends.cudnn.allow_tf32": (False, True)}, lambda: setattr(cudnn, "allow_tf32", False)
         )
     assert conv is not None and rnn is not None  # for mypy: _precision checked them
     before = (conv.fp32_precision, rnn.fp32_precision)
-    if before == ("tf32", "tf32"):
-        return None
     old = _readable(lambda: cudnn.allow_tf32)
     if old is None:  # the views disagree already: change the new settings only
         conv.fp32_precision = rnn.fp32_precision = "tf32"

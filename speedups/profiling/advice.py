@@ -34,6 +34,14 @@ class Summary:
 
     ``device_type`` is torch's device type string (``"cuda"`` when CUDA events timed the steps, else
     ``"cpu"``), as in ``torch.device.type``.
+
+    From the GPU trace of the sampled steps (busiest GPU; None without one), each fraction of the mean step
+    (data wait included, as ``device_busy_fraction``): ``fp32_matmul_fraction``, fp32 matrix products and
+    convolutions run on the CUDA cores where TF32 was off for them; ``nchw_conv_fraction``, NCHW
+    convolutions in 16 bits and cuDNN's NCHW/NHWC transposes; ``htod_compute_fraction``, host-to-device
+    copies on the compute stream (see :class:`~speedups.profiling.gpu_activity.GpuActivity`). Also
+    ``gpu_kernels_per_step`` and ``mean_kernel_s``, and ``tf32_capable``: every GPU in use has TF32 tensor
+    cores (compute capability 8.0 or later).
     """
 
     steps: int
@@ -57,6 +65,21 @@ class Summary:
     p90_data_s: float | None = None
     p90_step_s: float | None = None
     activations: ActivationMemory | None = None
+    gpu_kernels_per_step: float | None = None
+    mean_kernel_s: float | None = None
+    fp32_matmul_fraction: float | None = None
+    nchw_conv_fraction: float | None = None
+    htod_compute_fraction: float | None = None
+    tf32_capable: bool | None = None
+
+
+# Thresholds of the rules read from the GPU trace (fractions of the mean step; see each rule).
+TF32_SHARE = 0.10
+NCHW_SHARE = 0.10
+HTOD_SHARE = 0.05
+IDLE_BUSY = 0.5  # the GPU busy less than half of each step: tiny batches or launch-bound
+LAUNCH_KERNELS = 10
+LAUNCH_HOST_S = 100e-6
 
 
 # ------------------------------------------------------------------------------------------ the rules
@@ -111,12 +134,33 @@ def _rule_empty_cache(s: Summary) -> Advice | None:
     )
 
 
+def _gpu_idle(s: Summary) -> bool:
+    """The GPU busy less than half of each step, and the step not waiting for data (that is data-bound)."""
+    return (
+        s.device_type == "cuda"
+        and s.device_busy_fraction is not None
+        and s.data_fraction < 0.2
+        and s.device_busy_fraction < IDLE_BUSY
+    )
+
+
+def _launch_bound(s: Summary) -> bool:
+    """The idle GPU waits for kernel launches: at least 10 kernels a step, launched at most 100 µs of host
+    time apart on average (eager PyTorch spends about 10-50 µs of dispatch, autograd and launch per kernel;
+    more means other host work, which CUDA graphs would not remove)."""
+    n = s.gpu_kernels_per_step
+    return _gpu_idle(s) and n is not None and n >= LAUNCH_KERNELS and s.mean_step_s / n <= LAUNCH_HOST_S
+
+
 def _rule_tiny_batches(s: Summary) -> Advice | None:
-    """The GPU idles for most of a step that is not waiting for data: larger batches."""
-    if s.device_type != "cuda" or s.device_busy_fraction is None or s.data_fraction >= 0.2:
+    """The GPU idles for most of a step that is not waiting for data: larger batches.
+
+    Where the trace shows the idle GPU waiting for the launches of many short kernels, "launch-bound" gives
+    the advice instead (and names larger batches there): one cause, one item.
+    """
+    if not _gpu_idle(s) or _launch_bound(s):
         return None
-    if s.device_busy_fraction >= 0.5:
-        return None
+    assert s.device_busy_fraction is not None  # for mypy: _gpu_idle checked it
     return Advice(
         "tiny-batches",
         f"The GPU is busy only {s.device_busy_fraction:.0%} of each step"
@@ -124,6 +168,83 @@ def _rule_tiny_batches(s: Summary) -> Advice | None:
         + ": Python and kernel launches dominate.",
         "bs = find_batch_size(probe_step, model, optimizer)  # larger batches; @accumulate keeps the math",
         1.0 - s.device_busy_fraction,
+    )
+
+
+def _rule_launch_bound(s: Summary) -> Advice | None:
+    """The GPU idles between many short kernels the host launches one by one: CUDA graphs.
+
+    Same symptom as tiny batches (the GPU busy under half the step, not waiting for data), told apart by the
+    trace: many kernels, little host time per kernel (see :func:`_launch_bound`). Its value is the idle
+    share, as tiny batches'; the message names larger batches too, which make each kernel longer.
+    """
+    if not _launch_bound(s):
+        return None
+    assert s.device_busy_fraction is not None and s.gpu_kernels_per_step is not None  # for mypy
+    n, idle = s.gpu_kernels_per_step, 1.0 - s.device_busy_fraction
+    mean = f"{s.mean_kernel_s * 1e6:.1f} µs each, " if s.mean_kernel_s is not None else ""
+    return Advice(
+        "launch-bound",
+        f"The GPU is idle {idle:.0%} of each step between {n:.0f} short kernels ({mean}launched "
+        f"{s.mean_step_s / n * 1e6:.0f} µs apart): the host's launches set the pace. CUDA graphs replay the "
+        f"step's kernels in one launch; larger batches (find_batch_size) would make each kernel longer.",
+        'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs; or per block: '
+        'compile_blocks(model, "blocks.*", mode="reduce-overhead")',
+        idle,
+    )
+
+
+def _rule_tf32(s: Summary) -> Advice | None:
+    """fp32 matrix work on the CUDA cores of a GPU with TF32 tensor cores, TF32 off: ``fast_kernels()``.
+
+    Fires from a tenth of the step: TF32 runs fp32 GEMMs several times faster (an A100: 156 TFLOP/s against
+    19.5), so that share is at least about half saved.
+    """
+    share = s.fp32_matmul_fraction
+    if s.device_type != "cuda" or not s.tf32_capable or share is None or share < TF32_SHARE:
+        return None
+    return Advice(
+        "tf32-off",
+        f"{share:.0%} of each step runs fp32 matrix products and convolutions on the CUDA cores with TF32 "
+        f"off, on a GPU with TF32 tensor cores (compute capability 8.0+): TF32 runs them several times "
+        f"faster (products within about 1e-3 relative).",
+        "switch = fast_kernels(model)  # TF32 on (restore() puts it back); or bf16: with mixed_precision():",
+        share,
+    )
+
+
+def _rule_nchw_convolutions(s: Summary) -> Advice | None:
+    """Convolutions in NCHW, with cuDNN's transposes to and from NHWC: channels_last (``fast_kernels``).
+
+    Fires from a tenth of the step: the transposes are pure overhead, gone with channels_last tensors.
+    """
+    share = s.nchw_conv_fraction
+    if s.device_type != "cuda" or share is None or share < NCHW_SHARE:
+        return None
+    return Advice(
+        "nchw-convolutions",
+        f"{share:.0%} of each step runs convolutions on NCHW tensors: cuDNN transposes them to NHWC for its "
+        f"tensor-core kernels and back (nchwToNhwc/nhwcToNchw), or runs slower NCHW kernels.",
+        "fast_kernels(model)  # channels_last weights; and batches: x.to(memory_format=torch.channels_last)",
+        share,
+    )
+
+
+def _rule_copies_on_compute_stream(s: Summary) -> Advice | None:
+    """Host-to-device copies on the stream the kernels run on: copy ahead on a side stream.
+
+    Fires from a twentieth of the step: a copy on a side stream overlaps the step before, so all of it can
+    go.
+    """
+    share = s.htod_compute_fraction
+    if s.device_type != "cuda" or share is None or share < HTOD_SHARE:
+        return None
+    return Advice(
+        "copies-on-compute-stream",
+        f"{share:.0%} of each step copies host-to-device on the stream the kernels run on: each kernel "
+        f"after a copy waits for it.",
+        "loader = prefetch_to_device(loader)  # batch i+1 copied on a side stream while step i computes",
+        share,
     )
 
 
@@ -186,6 +307,10 @@ RULES: tuple[Callable[[Summary], Advice | None], ...] = (
     _rule_sync_bound,
     _rule_empty_cache,
     _rule_tiny_batches,
+    _rule_launch_bound,
+    _rule_tf32,
+    _rule_nchw_convolutions,
+    _rule_copies_on_compute_stream,
     _rule_cpu_bf16,
     _rule_activation_memory,
 )
@@ -222,6 +347,9 @@ class Report:
         ]
         if s.device_busy_fraction is not None:
             lines.append(f"  GPU busy           {s.device_busy_fraction:9.0%} of each step")
+        if s.gpu_kernels_per_step is not None:
+            mean = f", {s.mean_kernel_s * 1e6:.1f} µs each on average" if s.mean_kernel_s is not None else ""
+            lines.append(f"  GPU kernels        {s.gpu_kernels_per_step:9.0f} per step{mean}")
         if s.syncs_per_step is not None:
             lines.append(
                 f"  host-device syncs  {s.syncs_per_step:9.1f} per step (counted on {s.sampled_steps} steps)"

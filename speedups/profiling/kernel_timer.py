@@ -1,4 +1,4 @@
-"""The GPU's busy time on a sampled step, from its own activity records (see :class:`KernelTimer`)."""
+"""The GPU's activity on a sampled step, from its own activity records (see :class:`KernelTimer`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["KernelTimer", "busy_seconds"]
+from speedups.profiling.gpu_activity import DeviceEvent, GpuActivity, event_kind, read_activity
+
+__all__ = ["KernelTimer"]
 
 
 class KernelTimer:
@@ -18,11 +20,12 @@ class KernelTimer:
     CUDA events around a step measure its span on the GPU, idle gaps included: in a loop bound by Python
     and kernel launches the span equals the host's step time, so it cannot say the GPU idled. The GPU's
     own activity records (``torch.profiler`` with ``ProfilerActivity.CUDA``: Kineto over CUPTI) give each
-    kernel's start and end; their union per GPU is the busy time. The profiler runs on sampled steps only,
-    and never over a profiler the user already runs (a second start would cancel theirs): then, or where
-    the build has no CUDA activity tracing, there is no reading (``start`` returns None). The first trace
-    in a process starts CUPTI: seconds, once (about 5 s on an H200 with torch 2.11); later ones cost
-    milliseconds, on sampled steps only.
+    kernel's start and end, stream and name; their union per GPU is the busy time, and
+    :func:`~speedups.profiling.gpu_activity.read_activity` sorts the busiest GPU's work. The profiler runs
+    on sampled steps only, and never over a profiler the user already runs (a second start would cancel
+    theirs): then, or where the build has no CUDA activity tracing, there is no reading (``start`` returns
+    None). The first trace in a process starts CUPTI: seconds, once (about 5 s on an H200 with torch 2.11);
+    later ones cost milliseconds, on sampled steps only.
     """
 
     def __init__(self, profiler: Any) -> None:
@@ -44,22 +47,33 @@ class KernelTimer:
             return None
         return cls(profiler)
 
-    def stop(self) -> float | None:
-        """Stop tracing; the busiest GPU's busy seconds (overlapping kernels counted once), or None."""
+    def stop(self) -> GpuActivity | None:
+        """Stop tracing; what the busiest GPU did (see :class:`GpuActivity`), or None without a trace."""
         try:
             with _quiet():
                 self.profiler.stop()
                 events = self.profiler.events()
         except RuntimeError:
             return None
-        spans: dict[int, list[tuple[float, float]]] = {}
-        for event in events or ():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                rng = event.time_range
-                spans.setdefault(event.device_index, []).append((rng.start, rng.end))
-        if not spans:
-            return None
-        return max(busy_seconds(s) for s in spans.values())
+        return read_activity(
+            DeviceEvent(
+                event.name,
+                event.device_index,
+                _stream(event),
+                event.time_range.start,
+                event.time_range.end,
+                event_kind(event.name),
+            )
+            for event in events or ()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+        )
+
+
+def _stream(event: Any) -> int:
+    """The stream a device event ran on: its ``device_resource_id``, which FunctionEvent lacks before about
+    torch 2.4 and then keeps as its ``thread`` (as torch's own default for the field does)."""
+    stream = getattr(event, "device_resource_id", None)
+    return int(event.thread if stream is None else stream)
 
 
 @contextlib.contextmanager
@@ -69,13 +83,3 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         yield
-
-
-def busy_seconds(spans_us: list[tuple[float, float]]) -> float:
-    """The length of the union of ``(start, end)`` intervals in microseconds, in seconds."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans_us):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e6

@@ -1,5 +1,5 @@
 """What the profiler measures besides wall time: the batch size, peak memory, and on a *sampled* step the
-host-device syncs, CPU bf16 matrix work, CUDA cache frees and the GPU's busy time.
+host-device syncs, CPU bf16 matrix work, CUDA cache frees and the GPU's activity.
 
 :meth:`Sampling.begin` enters the counters when a sampled step starts; :meth:`Sampling.end` leaves them, in
 the reverse order, and returns what they counted. Unsampled steps enter nothing and pay nothing.
@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from speedups._helpers.tree import tree_map
+from speedups.profiling.gpu_activity import GpuActivity
 from speedups.profiling.kernel_timer import KernelTimer
 
 __all__ = [
@@ -106,10 +107,10 @@ _SYNC_WARNING = "called a synchronizing CUDA operation"
 @dataclass(slots=True)
 class _CudaSyncCount:
     """On a sampled GPU step: CUDA's sync debug mode warns on every sync inside torch, caught here, and the
-    GPU's activity is traced for its busy time.
+    GPU's activity is traced (busy time, kernels, what they ran).
 
     ``previous_mode`` is the sync debug mode to restore; ``frees_before`` the driver frees so far;
-    ``kernels`` the busy-time tracer (None where it cannot run).
+    ``kernels`` the GPU activity tracer (None where it cannot run).
     """
 
     catcher: warnings.catch_warnings
@@ -127,7 +128,7 @@ class Counts:
     cpu_bf16_matmuls: int
     cache_frees: int | None
     loss_refs: list[weakref.ref[torch.Tensor]] | None
-    kernel_s: float | None
+    gpu: GpuActivity | None
 
 
 @dataclass(slots=True)
@@ -158,15 +159,15 @@ class Sampling:
         """Leave the counters in the reverse order of entry; return what they counted."""
         counter, cuda = self.counter, self.cuda
         counter.__exit__(None, None, None)
-        syncs, cache_frees, kernel_s = counter.syncs, None, None
+        syncs, cache_frees, gpu = counter.syncs, None, None
         if cuda is not None:
             torch.cuda.set_sync_debug_mode(cuda.previous_mode)
             cuda.catcher.__exit__(None, None, None)
             # the sync debug mode also sees syncs inside torch (nonzero, masked indexing, ...)
             syncs = max(syncs, sum(_SYNC_WARNING in str(w.message) for w in cuda.caught or ()))
             cache_frees = _device_frees() - cuda.frees_before
-            kernel_s = cuda.kernels.stop() if cuda.kernels is not None else None
-        return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs, kernel_s)
+            gpu = cuda.kernels.stop() if cuda.kernels is not None else None
+        return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs, gpu)
 
 
 def gpus_in_use() -> list[int]:

@@ -22,10 +22,12 @@ from speedups._helpers import validate
 from speedups._helpers.hardware import cpu_has_native_bf16, usable_cpus
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
+from speedups.kernels.tf32 import cudnn_allowed, matmul_allowed
 from speedups.memory import checkpointed
 from speedups.memory.saved_activations import SavedActivations
 from speedups.profiling.activation_memory import ActivationMemory, BlockMemory
 from speedups.profiling.advice import Advice, Report, Summary, advise
+from speedups.profiling.gpu_activity import GpuActivity
 from speedups.profiling.measure import LoaderBatchSizes, Sampling, gpus_in_use, p90, peak_memory, samples_in
 from speedups.profiling.mistakes import MistakeWatcher
 from speedups.profiling.plots import draw_steps
@@ -86,6 +88,9 @@ class StepRecord:
         kernel_s: on a sampled GPU step, the seconds the busiest GPU ran kernels, copies and memsets
             (``torch.profiler``'s CUDA activity, overlaps counted once); None elsewhere or if it could not
             be traced. The summary's ``device_busy_fraction`` is their mean over the mean step time.
+        gpu: on a sampled GPU step, what the trace says the busiest GPU ran (kernels, fp32 matrix work,
+            NCHW convolutions, copies on the compute stream); None where ``kernel_s`` is.
+        tf32: with ``gpu``, whether fp32 matmuls and cuDNN (in that order) could use TF32 during the step.
     """
 
     data_s: float
@@ -97,6 +102,8 @@ class StepRecord:
     cache_frees: int | None = None
     cpu_bf16_matmuls: int = 0
     kernel_s: float | None = None
+    gpu: GpuActivity | None = None
+    tf32: tuple[bool, bool] | None = None
     claimed_s: float | None = field(default=None, repr=False)  # time in decorated calls within the step
     _events: _StepEvents | None = field(default=None, repr=False)
 
@@ -332,7 +339,10 @@ class StepProfiler:
             counts = sampling.end()
             record.syncs, record.cpu_bf16_matmuls = counts.syncs, counts.cpu_bf16_matmuls
             record.cache_frees, loss_refs = counts.cache_frees, counts.loss_refs
-            record.kernel_s = counts.kernel_s
+            record.gpu = counts.gpu
+            if counts.gpu is not None:
+                record.kernel_s = counts.gpu.busy_s
+                record.tf32 = (matmul_allowed(), cudnn_allowed())
         if self._mistakes is not None:
             self._mistakes.step_ended(loss_refs)
 
@@ -402,6 +412,29 @@ class StepProfiler:
             usable_cpus=usable_cpus(),
             peak_memory=peak_memory(),
             activations=self._activation_memory(),
+            **self._gpu_shares(total),
+        )
+
+    def _gpu_shares(self, total: float) -> dict[str, Any]:
+        """The Summary's fields from the GPU trace of the sampled steps: the mean seconds of each kind of
+        work over the mean step (``total``), kernels per step; nothing without a trace."""
+        traced = [(r.gpu, r.tf32) for r in self.steps if r.gpu is not None and r.tf32 is not None]
+        if not traced or total <= 0:
+            return {}
+        gpus = [t for t, _ in traced]
+        kernels = sum(t.kernels for t in gpus)
+
+        def share(seconds: list[float]) -> float:
+            return min(statistics.fmean(seconds) / total, 1.0)
+
+        fp32 = [t.without_tf32_s(matmul_tf32=m, cudnn_tf32=c) for t, (m, c) in traced]
+        return dict(
+            gpu_kernels_per_step=kernels / len(gpus),
+            mean_kernel_s=sum(t.kernel_sum_s for t in gpus) / kernels if kernels else None,
+            fp32_matmul_fraction=share(fp32),
+            nchw_conv_fraction=share([t.nchw_conv_s for t in gpus]),
+            htod_compute_fraction=share([t.htod_compute_s for t in gpus]),
+            tf32_capable=all(torch.cuda.get_device_capability(i) >= (8, 0) for i in self._gpus or ()),
         )
 
     def _activation_memory(self) -> ActivationMemory | None:

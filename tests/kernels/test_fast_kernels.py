@@ -231,6 +231,32 @@ def test_torch_without_the_per_operation_settings_uses_the_older_ones(
 
 
 @needs_new_api
+def test_the_readers_say_tf32_is_on_exactly_where_allowing_it_changes_nothing() -> None:
+    """matmul_allowed/cudnn_allowed (what profile_steps' TF32 advice reads) agree with allow_*: from every
+    start state, "on" exactly where allow_* has nothing to change, and "on" after it, as before after undo."""
+    cudnn = torch.backends.cudnn
+    for legacy, cuda, cpu in _MATMUL_STARTS:
+        torch.set_float32_matmul_precision(legacy)
+        torch.backends.cuda.matmul.fp32_precision = cuda
+        torch.backends.mkldnn.matmul.fp32_precision = cpu
+        was = tf32.matmul_allowed()
+        change = tf32.allow_matmul()
+        assert was is (change is None) and tf32.matmul_allowed(), (legacy, cuda, cpu)
+        if change is not None:
+            change.undo()
+        assert tf32.matmul_allowed() is was
+    for legacy_cudnn, conv, rnn in _CUDNN_STARTS:
+        cudnn.allow_tf32 = legacy_cudnn
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = conv, rnn
+        was = tf32.cudnn_allowed()
+        change = tf32.allow_cudnn()
+        assert was is (change is None) and tf32.cudnn_allowed(), (legacy_cudnn, conv, rnn)
+        if change is not None:
+            change.undo()
+        assert tf32.cudnn_allowed() is was
+
+
+@needs_new_api
 def test_torch_29s_notice_on_the_older_calls_is_dropped_and_other_warnings_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,7 +12,15 @@ from torch.utils.data import DataLoader
 import speedups.profiling.measure as _measure
 import speedups.profiling.profiler as profiler
 from speedups import LossTracker, profile_steps
-from speedups.profiling.advice import Summary, advise
+from speedups.profiling.advice import (
+    HTOD_SHARE,
+    LAUNCH_HOST_S,
+    LAUNCH_KERNELS,
+    NCHW_SHARE,
+    TF32_SHARE,
+    Summary,
+    advise,
+)
 from tests._profiling_loops import SlowDataset, busy_step
 
 
@@ -150,3 +158,171 @@ def test_empty_cache_and_tiny_batches_fire_on_a_gpu_loop() -> None:
             model(x).sum().backward()
             torch.cuda.empty_cache()
     assert {"empty-cache", "tiny-batches"} <= rules_fired(prof)
+
+
+# ------------------------------------------------------------------------ rules read from the GPU trace
+# A traced GPU loop with nothing to fix: 40 kernels of 150 µs a step, busy 90%, TF32 tensor cores present.
+TRACED = dataclasses.replace(
+    BASE, gpu_kernels_per_step=40.0, mean_kernel_s=150e-6, fp32_matmul_fraction=0.0, nchw_conv_fraction=0.0,
+    htod_compute_fraction=0.0, tf32_capable=True,
+)  # fmt: skip
+
+
+def rules(summary: Summary) -> list[str]:
+    return [a.rule for a in advise(summary)]
+
+
+def test_a_traced_gpu_loop_with_nothing_to_fix_gets_no_advice() -> None:
+    assert advise(TRACED) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "threshold", "rule", "fix"),
+    [
+        ("fp32_matmul_fraction", TF32_SHARE, "tf32-off", "fast_kernels(model)"),
+        ("nchw_conv_fraction", NCHW_SHARE, "nchw-convolutions", "fast_kernels(model)"),
+        ("htod_compute_fraction", HTOD_SHARE, "copies-on-compute-stream", "prefetch_to_device(loader)"),
+    ],
+)
+def test_each_share_rule_fires_from_its_threshold_with_the_measured_share_and_the_fix(
+    field: str, threshold: float, rule: str, fix: str
+) -> None:
+    at = advise(dataclasses.replace(TRACED, **{field: threshold}))
+    assert [a.rule for a in at] == [rule] and at[0].value == threshold and fix in at[0].fix
+    assert at[0].message.startswith(f"{threshold:.0%} of each step")
+    measured = advise(dataclasses.replace(TRACED, **{field: 0.37}))
+    assert measured[0].value == 0.37 and measured[0].message.startswith("37% of each step")
+    assert fix in str(measured[0])  # the report's line shows the fix
+    assert rules(dataclasses.replace(TRACED, **{field: threshold - 0.001})) == []  # just below
+    assert rules(dataclasses.replace(TRACED, **{field: None})) == []  # not traced
+    assert rules(dataclasses.replace(TRACED, device_type="cpu", **{field: 0.37})) == []
+
+
+def test_tf32_advice_needs_tf32_tensor_cores_and_names_both_fixes() -> None:
+    off = dataclasses.replace(TRACED, fp32_matmul_fraction=0.6)
+    (advice,) = advise(off)
+    assert "TF32 off" in advice.message and "compute capability 8.0" in advice.message
+    assert "fast_kernels(model)" in advice.fix and "mixed_precision()" in advice.fix
+    assert rules(dataclasses.replace(off, tf32_capable=False)) == []  # before Ampere: nothing to turn on
+    assert rules(dataclasses.replace(off, tf32_capable=None)) == []
+
+
+def test_nchw_advice_names_channels_last() -> None:
+    (advice,) = advise(dataclasses.replace(TRACED, nchw_conv_fraction=0.25))
+    assert "NCHW" in advice.message and "nchwToNhwc" in advice.message
+    assert "channels_last" in advice.fix
+
+
+# Launch-bound: busy 20%, 400 kernels of 3 µs launched 10 µs apart (a 4 ms step of eager PyTorch ops).
+LAUNCH = dataclasses.replace(
+    TRACED, mean_step_s=0.004, device_busy_fraction=0.2, gpu_kernels_per_step=400.0, mean_kernel_s=3e-6
+)
+
+
+def test_launch_bound_is_said_instead_of_tiny_batches_with_cuda_graphs_as_code() -> None:
+    (advice,) = advise(LAUNCH)
+    assert advice.rule == "launch-bound" and advice.value == pytest.approx(0.8)  # the idle share
+    assert advice.message.startswith(
+        "The GPU is idle 80% of each step between 400 short kernels (3.0 µs each"
+    )
+    assert "10 µs apart" in advice.message and "find_batch_size" in advice.message  # the other fix, said once
+    assert 'torch.compile(model, mode="reduce-overhead")' in advice.fix
+    assert 'compile_blocks(model, "blocks.*", mode="reduce-overhead")' in advice.fix
+
+
+def test_launch_bound_boundaries_and_what_tiny_batches_keeps() -> None:
+    n = 16.0  # a power of two: n * LAUNCH_HOST_S / n is exactly LAUNCH_HOST_S
+    at_limits = dataclasses.replace(LAUNCH, gpu_kernels_per_step=n, mean_step_s=n * LAUNCH_HOST_S)
+    assert rules(at_limits) == ["launch-bound"]
+    ten = dataclasses.replace(LAUNCH, gpu_kernels_per_step=float(LAUNCH_KERNELS), mean_step_s=0.0005)
+    assert rules(ten) == ["launch-bound"]
+    # just past each limit the idle GPU is tiny batches' (other host work, or too few kernels to replay)
+    slower_host = dataclasses.replace(at_limits, mean_step_s=n * LAUNCH_HOST_S * 1.01)
+    assert rules(slower_host) == ["tiny-batches"]
+    assert rules(dataclasses.replace(ten, gpu_kernels_per_step=LAUNCH_KERNELS - 1.0)) == ["tiny-batches"]
+    assert rules(dataclasses.replace(LAUNCH, gpu_kernels_per_step=None)) == ["tiny-batches"]  # no trace
+    # neither when the GPU is busy half the step, nor when the step waits for data (that is data-bound)
+    assert rules(dataclasses.replace(LAUNCH, device_busy_fraction=0.5)) == []
+    assert rules(dataclasses.replace(LAUNCH, device_busy_fraction=0.49)) == ["launch-bound"]
+    starved = rules(dataclasses.replace(LAUNCH, data_fraction=0.2))
+    assert "launch-bound" not in starved and "tiny-batches" not in starved and "data-bound" in starved
+
+
+def test_the_gpu_rules_are_ordered_by_their_shares() -> None:
+    everything = dataclasses.replace(
+        LAUNCH, fp32_matmul_fraction=0.15, nchw_conv_fraction=0.12, htod_compute_fraction=0.3
+    )
+    assert rules(everything) == ["launch-bound", "copies-on-compute-stream", "tf32-off", "nchw-convolutions"]
+
+
+@pytest.mark.cuda
+def test_tf32_advice_fires_on_a_gpu_fp32_matmul_loop_with_tf32_off_and_not_with_it_on() -> None:
+    """On a real GPU: an fp32 Linear training loop with TF32 off gets the TF32 advice, its share read from
+    cuBLAS's kernel names; with fast_kernels() on, the same loop does not."""
+    from speedups import fast_kernels
+    from speedups.kernels import tf32
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("TF32 needs a GPU of compute capability 8.0 or later")
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    before = matmul.fp32_precision if new_api else torch.get_float32_matmul_precision()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048)).cuda()
+    batches = [torch.randn(4096, 2048, device="cuda") for _ in range(8)]
+
+    def run():
+        with profile_steps(sample_every=3) as prof:
+            for x in prof.iter(batches):
+                model(x).square().mean().backward()
+        return prof
+
+    try:
+        if new_api:
+            matmul.fp32_precision = "ieee"
+        else:
+            torch.set_float32_matmul_precision("highest")
+        assert not tf32.matmul_allowed()
+        off = run()
+    finally:
+        if new_api:
+            matmul.fp32_precision = before
+        else:
+            torch.set_float32_matmul_precision(before)
+    s = off.summary()
+    assert s.tf32_capable is True and s.gpu_kernels_per_step
+    advice = {a.rule: a for a in off.advice()}
+    assert "tf32-off" in advice, f"no TF32 advice: fp32 share {s.fp32_matmul_fraction}\n{off.report()}"
+    assert advice["tf32-off"].value > 0.5 and "fast_kernels(model)" in advice["tf32-off"].fix
+    with fast_kernels(model, cudnn_benchmark=False, channels_last=False):
+        on = run()
+    assert on.summary().fp32_matmul_fraction == 0.0
+    assert "tf32-off" not in {a.rule for a in on.advice()}
+
+
+@pytest.mark.cuda
+def test_launch_bound_fires_on_a_gpu_loop_of_many_tiny_layers() -> None:
+    """50 tiny layers on a batch of 8: hundreds of microsecond kernels a step, each launched by eager
+    PyTorch; the GPU waits for the launches, and the advice is CUDA graphs, not tiny batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(50)]).cuda()
+    with profile_steps(sample_every=5) as prof:
+        for x in prof.iter([torch.randn(8, 32, device="cuda") for _ in range(30)]):
+            model(x).sum().backward()
+    s = prof.summary()
+    assert s.gpu_kernels_per_step is not None and s.gpu_kernels_per_step >= 150, s
+    fired = rules_fired(prof)
+    assert "launch-bound" in fired and "tiny-batches" not in fired, prof.report()
+
+
+@pytest.mark.cuda
+def test_pageable_copies_in_the_step_are_copies_on_the_compute_stream() -> None:
+    """Each step copies a 64 MiB batch from pageable host memory on the stream the model runs on."""
+    model = nn.Linear(1024, 16).cuda()
+    batches = [torch.randn(16384, 1024) for _ in range(8)]  # on the host, not pinned
+    with profile_steps(sample_every=3) as prof:
+        for x in prof.iter(batches):
+            model(x.to("cuda")).sum().backward()
+    s = prof.summary()
+    assert s.htod_compute_fraction is not None and s.htod_compute_fraction >= HTOD_SHARE, prof.report()
+    assert "copies-on-compute-stream" in rules_fired(prof)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import speedups.profiling.profiler as profiler_module
 from speedups import SpeedupsError, profile_steps
-from speedups.profiling.kernel_timer import busy_seconds
+from speedups.profiling.gpu_activity import busy_seconds
 from tests._profiling_loops import SlowDataset, busy_step
 
 
@@ -275,7 +275,7 @@ class _FakeCuda:
     """Two GPUs with a model on cuda:1 only, cuda:0 current (stood in: events record their stream's device
     and give a span per device; memory statistics per device)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, trace=None, capability=(9, 0)) -> None:
         self.spans_ms = {0: 0.0, 1: 7.0}
         self.recorded: list[int] = []
         fake = self
@@ -306,16 +306,22 @@ class _FakeCuda:
             "max_memory_allocated": lambda index=None: 300 * 2**20 if index == 1 else 0,
             "memory_stats": lambda index=None: {"num_device_free": 5 if index == 1 else 0},
             "get_sync_debug_mode": lambda: 0,
+            "get_device_capability": lambda index=None: capability,
             "set_sync_debug_mode": lambda mode: None,
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
 
-        # the GPU activity torch.profiler traces on a sampled step: cuda:1 busy 0.4 ms of its kernels'
-        # union (two overlap), cuda:0 0.05 ms, a CPU event beside them
+        # the GPU activity torch.profiler traces on a sampled step (name, type, device, stream, start and end
+        # in µs); by default cuda:1 busy 0.4 ms of its kernels' union (two overlap), cuda:0 0.05 ms, a CPU
+        # event beside them
         self.traced = 0
         cuda_type, cpu_type = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-        kernels = [(cuda_type, 1, 0.0, 200.0), (cuda_type, 1, 100.0, 300.0), (cuda_type, 1, 500.0, 600.0)]
-        kernels += [(cuda_type, 0, 0.0, 50.0), (cpu_type, 0, 0.0, 90000.0)]
+        sgemm = "ampere_sgemm_128x64_nn"
+        kernels = [(sgemm, cuda_type, 1, 7, 0.0, 200.0), (sgemm, cuda_type, 1, 7, 100.0, 300.0)]
+        kernels += [(sgemm, cuda_type, 1, 7, 500.0, 600.0), (sgemm, cuda_type, 0, 7, 0.0, 50.0)]
+        kernels += [("aten::mm", cpu_type, 0, 0, 0.0, 90000.0)]
+        if trace is not None:
+            kernels = [(name, cuda_type, device, stream, a, b) for name, device, stream, a, b in trace]
 
         class Profile:
             def __init__(self, activities: list) -> None:
@@ -330,9 +336,13 @@ class _FakeCuda:
             def events(self) -> list:
                 return [
                     types.SimpleNamespace(
-                        device_type=kind, device_index=index, time_range=types.SimpleNamespace(start=a, end=b)
+                        name=name,
+                        device_type=kind,
+                        device_index=index,
+                        device_resource_id=stream,
+                        time_range=types.SimpleNamespace(start=a, end=b),
                     )
-                    for kind, index, a, b in kernels
+                    for name, kind, index, stream, a, b in kernels
                 ]
 
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -355,6 +365,63 @@ def test_gpu_time_and_memory_come_from_the_gpu_the_model_is_on_not_the_current_o
     assert gpu.traced == 2
     assert summary.device_busy_fraction == pytest.approx(4e-4 / (summary.mean_data_s + summary.mean_step_s))
     assert "300 MiB allocated on cuda:1" in summary.peak_memory and "cuda:0" not in summary.peak_memory
+
+
+# a sampled step's trace on cuda:1 (name, device, stream, start and end in µs): stream 7 computes, stream 20
+# copies ahead
+_TRACE = [
+    ("ampere_sgemm_128x64_nn", 1, 7, 0.0, 300.0),  # fp32 product without TF32
+    ("void implicit_convolve_sgemm<float, float, 1024, 5, 5, 3, 3, 3, 1, false>(int)", 1, 7, 300.0, 400.0),
+    ("void cudnn::ops::nchwToNhwcKernel<__half, __half, float, true, false, 0>(int)", 1, 7, 400.0, 450.0),
+    ("Memcpy HtoD (Pageable -> Device)", 1, 7, 450.0, 550.0),  # on the compute stream
+    ("Memcpy HtoD (Pinned -> Device)", 1, 20, 0.0, 100.0),  # on a side stream, overlapping
+    ("void at::native::vectorized_elementwise_kernel<4>(int)", 1, 7, 600.0, 610.0),
+]
+
+
+def _traced_run(monkeypatch, model, *, matmul_tf32: bool, cudnn_tf32: bool, capability=(9, 0)):
+    _FakeCuda(monkeypatch, _TRACE, capability)
+    monkeypatch.setattr(profiler_module, "matmul_allowed", lambda: matmul_tf32)
+    monkeypatch.setattr(profiler_module, "cudnn_allowed", lambda: cudnn_tf32)
+    with profile_steps(warmup=0, sample_every=2) as prof:
+        for x in prof.iter([torch.randn(16, 8) for _ in range(4)]):
+            busy_step(model, x, ms=1)
+    return prof
+
+
+def test_the_summary_weighs_each_kind_of_traced_gpu_work_against_the_step(monkeypatch, model) -> None:
+    prof = _traced_run(monkeypatch, model, matmul_tf32=False, cudnn_tf32=True)  # torch's defaults
+    assert [r.tf32 for r in prof.steps] == [(False, True), None, (False, True), None]  # sampled steps only
+    s = prof.summary()
+    total = s.mean_data_s + s.mean_step_s
+    assert s.gpu_kernels_per_step == 4 and s.mean_kernel_s == pytest.approx(460e-6 / 4)
+    assert s.device_busy_fraction == pytest.approx(560e-6 / total)  # 0-550 and 600-610
+    assert s.fp32_matmul_fraction == pytest.approx(300e-6 / total)  # cuDNN's TF32 on: the conv not counted
+    assert s.nchw_conv_fraction == pytest.approx(50e-6 / total)
+    assert s.htod_compute_fraction == pytest.approx(100e-6 / total)  # the side stream's copy not counted
+    assert s.tf32_capable is True
+    assert "GPU kernels                4 per step, 115.0 µs each on average" in str(prof.report())
+
+    convs_too = _traced_run(monkeypatch, model, matmul_tf32=False, cudnn_tf32=False).summary()
+    assert convs_too.fp32_matmul_fraction == pytest.approx(
+        400e-6 / (convs_too.mean_data_s + convs_too.mean_step_s)
+    )
+    assert (
+        _traced_run(monkeypatch, model, matmul_tf32=True, cudnn_tf32=True).summary().fp32_matmul_fraction == 0
+    )
+    older = _traced_run(monkeypatch, model, matmul_tf32=False, cudnn_tf32=True, capability=(7, 5)).summary()
+    assert older.tf32_capable is False and older.fp32_matmul_fraction is not None
+
+
+def test_a_cpu_run_has_no_gpu_shares(model) -> None:
+    with profile_steps(warmup=0, sample_every=1) as prof:
+        for x in prof.iter([torch.randn(16, 8) for _ in range(3)]):
+            busy_step(model, x, ms=1)
+    s = prof.summary()
+    assert all(r.gpu is None and r.tf32 is None for r in prof.steps)
+    shares = (s.gpu_kernels_per_step, s.mean_kernel_s, s.fp32_matmul_fraction, s.nchw_conv_fraction)
+    assert shares == (None,) * 4 and s.htod_compute_fraction is None and s.tf32_capable is None
+    assert "GPU kernels" not in str(prof.report())
 
 
 def test_a_profiler_of_the_users_is_not_cancelled_and_no_busy_time_is_guessed(monkeypatch, model) -> None:
