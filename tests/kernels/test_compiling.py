@@ -6,6 +6,7 @@ backend="eager" (dynamo traces, nothing is lowered) must be bitwise eager; induc
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -26,8 +27,12 @@ from tests._models import Blocks
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    before = set(os.environ)
     yield
     torch.compiler.reset()
+    for key in set(os.environ) - before:
+        if key.startswith("_TORCHINDUCTOR_"):  # inductor's own, set once per process at its first use
+            del os.environ[key]
 
 
 def _data(calls: int = 6, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
