@@ -12,7 +12,7 @@ training step spends per sample; the output's second line gives both), a CNN wit
 
 - ``before``: the article's starting loop: ``DataLoader(batch_size=32)`` with ``num_workers=0``, ``.to()``
   per tensor, fp32, ``losses.append(loss.item())`` every step.
-- ``after``: the same loop upgraded as the README teaches: ``fast_loader`` + ``tune_loader`` (timed with the
+- ``after``: the same loop upgraded as the README and docs teach: ``fast_loader`` + ``tune_loader`` (timed with the
   training step, ``step=``), ``to_device``,
   ``LossTracker``, ``mixed_precision("auto")``, ``find_batch_size`` + ``accumulation_plan`` + ``@accumulate``
   for the recipe's batch (one micro-batch where it fits, as here; ``--max-micro-batch 16`` splits it).

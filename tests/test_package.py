@@ -146,22 +146,6 @@ def test_readme_python_examples_run(index: int, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("which", ["tip 9", "migration guide"])
-def test_readme_ddp_examples_run_under_torchrun(tmp_path: Path, which: str) -> None:
-    """The README's Tip 9 block and its ported Accelerate loop, run with torchrun and 2 processes."""
-    from tests._dist import run_torchrun
-
-    blocks = [b for b in _python_blocks() if "ddp_wrap(" in b]
-    (block,) = [b for b in blocks if ("gather_for_metrics" in b) == (which == "migration guide")]
-    script = tmp_path / "readme_ddp.py"
-    script.write_text(block)
-    out = run_torchrun(script, nproc=2, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("epoch 1: ") == 1  # printed by rank 0 only
-
-
 # ------------------------------------------------------------------------------------------- the layout
 PACKAGE = ROOT / "speedups"
 

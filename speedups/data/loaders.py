@@ -82,7 +82,7 @@ def fast_loader(
 
     ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
     so random augmentation gives the same batches for any workers, world size or resume; the order becomes
-    ``DistributedSampler``'s (``seed + epoch``). About 10 us per item; README, Tip 1, says when to use it.
+    ``DistributedSampler``'s (``seed + epoch``). About 10 us per item (when: docs/tips/fast-loader.md).
 
     Args:
         dataset: a map-style or iterable-style dataset.
@@ -115,7 +115,7 @@ def fast_loader(
         >>> type(loader).__name__, loader.pin_memory == torch.cuda.is_available()
         ('DataLoader', True)
 
-    Source: PyTorch's data loading notes ("Randomness in multi-process data loading"); README, Tip 1.
+    Source: PyTorch's data loading notes ("Randomness in multi-process data loading").
     """
     _check_dataset(dataset, batch_size, dataloader_kwargs)
     user_init = dataloader_kwargs.get("worker_init_fn")
