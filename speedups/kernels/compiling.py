@@ -20,7 +20,7 @@ from speedups._helpers import compat
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.memory.blocks import NameSpec, overlaps, pick_modules
+from speedups.memory.blocks import NameSpec, overlaps, pick_modules, undo_roots
 
 __all__ = ["compile_blocks", "compiled_blocks", "uncompile_blocks"]
 
@@ -118,11 +118,7 @@ def uncompile_blocks(model: M, names: NameSpec | None = None) -> M:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"uncompile_blocks({short(model)}): model must be an nn.Module.")
-    roots = [unwrap(model)]
-    if names is not None:
-        roots = [
-            m for _, m in pick_modules(model, names, f"uncompile_blocks(model, {short(names)})", "compiled")
-        ]
+    roots = undo_roots(model, names, "uncompile_blocks", done="compiled")
     for root in roots:
         for module in root.modules():
             if getattr(module, _ATTR, None) is not None:

@@ -18,7 +18,7 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.memory.blocks import NameSpec, overlaps, pick_modules
+from speedups.memory.blocks import NameSpec, overlaps, pick_modules, undo_roots
 from speedups.memory.recompute import ATTR, Recompute
 
 __all__ = ["checkpoint_activations", "checkpointed", "checkpointed_modules", "uncheckpoint_activations"]
@@ -124,9 +124,7 @@ def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"uncheckpoint_activations({short(model)}): model must be an nn.Module.")
-    roots = [unwrap(model)]
-    if names is not None:
-        roots = [m for _, m in pick_modules(model, names, f"uncheckpoint_activations(model, {short(names)})")]
+    roots = undo_roots(model, names, "uncheckpoint_activations")
     for root in roots:
         for module in root.modules():
             recompute: Recompute | None = getattr(module, ATTR, None)

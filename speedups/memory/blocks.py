@@ -25,7 +25,7 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 
-__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "overlaps", "pick_modules"]
+__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "overlaps", "pick_modules", "undo_roots"]
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their hooks would never fire
 
@@ -109,6 +109,14 @@ def pick_modules(
             picked.setdefault(id(m), (n, m))
     inside = {id(sub) for _, m in picked.values() for sub in m.modules() if sub is not m}
     return [(n, m) for n, m in picked.values() if id(m) not in inside]
+
+
+def undo_roots(model: nn.Module, names: Any, call: str, done: str = "checkpointed") -> list[nn.Module]:
+    """Where an undo looks (``uncheckpoint_activations``, ``uncompile_blocks``): the plain model for
+    ``names=None``, else the modules ``names`` picks (:func:`pick_modules`'s rules and errors)."""
+    if names is None:
+        return [unwrap(model)]
+    return [m for _, m in pick_modules(model, names, f"{call}(model, {short(names)})", done)]
 
 
 def _hint(entry: str | type, root: nn.Module) -> str:

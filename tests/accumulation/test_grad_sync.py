@@ -69,42 +69,58 @@ def test_ddp_runs_non_boundary_calls_in_no_sync_and_flush_sums_grads_and_count()
         torch.distributed.destroy_process_group()
 
 
+_STATIC_GRAPH = """
+import pytest, torch
+from torch import nn
+from speedups import SpeedupsError, accumulate
+from tests._dist import free_port
+
+url = f"tcp://127.0.0.1:{free_port()}"
+torch.distributed.init_process_group("gloo", init_method=url, rank=0, world_size=1)
+torch.manual_seed(0)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1), static_graph=True)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+before = [p.detach().clone() for p in ddp.parameters()]
+for kwargs in ({"every": 2}, {"every": 1, "micro_batch_size": 2}):
+    with pytest.raises(SpeedupsError, match=r"static_graph=True.*#143580.*ddp_wrap\\(model\\)"):
+        accumulate(optimizer=opt, model=ddp, **kwargs)(lambda x: ddp(x).sum())
+with pytest.raises(RuntimeError, match="expect_autograd_hooks_"), ddp.no_sync():
+    ddp(torch.ones(2, 3)).sum().backward()  # what it spares the user: PyTorch's own failure
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1), static_graph=True)
+ddp.module.load_state_dict(dict(zip(("weight", "bias"), before, strict=True)))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+one = accumulate(1, opt, model=ddp)(lambda x: ddp(x).sum())  # no no_sync(): accepted
+one(torch.ones(2, 3))  # the first reduce: the graph is learnt
+two = accumulate(2, opt, model=ddp)(lambda x: ddp(x).sum())
+x = torch.arange(12.0).reshape(4, 3)
+two(x[:2]), two(x[2:])
+ref = nn.Linear(3, 1)
+ref.load_state_dict(dict(zip(("weight", "bias"), before, strict=True)))
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+for xs in ([torch.ones(2, 3)], [x[:2], x[2:]]):
+    ref_opt.zero_grad()
+    for part in xs:
+        (ref(part).sum() / len(xs)).backward()
+    ref_opt.step()
+for got, want in zip(ddp.module.parameters(), ref.parameters(), strict=True):
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+torch.distributed.destroy_process_group()
+print("ok")
+"""
+
+
 def test_a_window_over_a_static_graph_ddp_before_its_first_reduce_is_refused_at_decoration() -> None:
     """DDP(static_graph=True) fails inside its reducer on a no_sync() backward before its first synchronised
     one (plain PyTorch too); a window's first calls run in no_sync(). Refused with the fix; accepted once the
-    graph was learnt, and for a window of one call."""
-    from speedups import accumulate
+    graph was learnt, and for a window of one call. In its own process: a static-graph DDP's first backward
+    keeps the calling context (the step in it) alive for the rest of the process, which would leave later
+    tests a second live step."""
+    import subprocess
+    import sys
 
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    from tests._dist import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _STATIC_GRAPH], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
-    try:
-        torch.manual_seed(0)
-        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1), static_graph=True)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        before = [p.detach().clone() for p in ddp.parameters()]
-        for kwargs in ({"every": 2}, {"every": 1, "micro_batch_size": 2}):
-            with pytest.raises(SpeedupsError, match=r"static_graph=True.*#143580.*ddp_wrap\(model\)"):
-                accumulate(optimizer=opt, model=ddp, **kwargs)(lambda x: ddp(x).sum())
-        with pytest.raises(RuntimeError, match="expect_autograd_hooks_"), ddp.no_sync():
-            ddp(torch.ones(2, 3)).sum().backward()  # what it spares the user: PyTorch's own failure
-        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1), static_graph=True)
-        ddp.module.load_state_dict(dict(zip(("weight", "bias"), before, strict=True)))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        one = accumulate(1, opt, model=ddp)(lambda x: ddp(x).sum())  # no no_sync(): accepted
-        one(torch.ones(2, 3))  # the first reduce: the graph is learnt
-        two = accumulate(2, opt, model=ddp)(lambda x: ddp(x).sum())
-        x = torch.arange(12.0).reshape(4, 3)
-        two(x[:2]), two(x[2:])
-        ref = nn.Linear(3, 1)
-        ref.load_state_dict(dict(zip(("weight", "bias"), before, strict=True)))
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        for xs in ([torch.ones(2, 3)], [x[:2], x[2:]]):
-            ref_opt.zero_grad()
-            for part in xs:
-                (ref(part).sum() / len(xs)).backward()
-            ref_opt.step()
-        for got, want in zip(ddp.module.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    finally:
-        torch.distributed.destroy_process_group()
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr[-3000:]
