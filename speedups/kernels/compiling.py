@@ -20,7 +20,7 @@ from speedups._helpers import compat
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.memory.blocks import NameSpec, overlaps, pick_modules, undo_roots
+from speedups.memory.blocks import NameSpec, checked_call, overlaps, pick_modules, undo_roots
 
 __all__ = ["compile_blocks", "compiled_blocks", "uncompile_blocks"]
 
@@ -69,12 +69,7 @@ def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options
         >>> compiled_blocks(uncompile_blocks(model))
         []
     """
-    shown = type(model).__name__ if isinstance(model, nn.Module) else short(model)
-    call = f"compile_blocks({shown}, {short(names)})"
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{call}: model must be an nn.Module, got {type(model).__name__}. Pass your model.")
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{call}: enabled must be True or False, got {short(enabled)}.")
+    call = checked_call("compile_blocks", model, names, enabled)
     allowed = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
     unknown = sorted(set(options) - set(allowed))
     if unknown:

@@ -18,7 +18,7 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
-from speedups.memory.blocks import NameSpec, overlaps, pick_modules, undo_roots
+from speedups.memory.blocks import NameSpec, checked_call, overlaps, pick_modules, undo_roots
 from speedups.memory.recompute import ATTR, Recompute
 
 __all__ = ["checkpoint_activations", "checkpointed", "checkpointed_modules", "uncheckpoint_activations"]
@@ -69,12 +69,7 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
         >>> checkpointed(uncheckpoint_activations(model))
         []
     """
-    shown = type(model).__name__ if isinstance(model, nn.Module) else short(model)
-    call = f"checkpoint_activations({shown}, {short(names)})"
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{call}: model must be an nn.Module, got {type(model).__name__}. Pass your model.")
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{call}: enabled must be True or False, got {short(enabled)}.")
+    call = checked_call("checkpoint_activations", model, names, enabled)
     picked = pick_modules(model, names, call)
     if not enabled:
         return model

@@ -25,7 +25,7 @@ from torch import nn
 from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 
-__all__ = ["CONTAINERS", "NameSpec", "model_blocks", "overlaps", "pick_modules", "undo_roots"]
+__all__ = ["CONTAINERS", "NameSpec", "checked_call", "model_blocks", "overlaps", "pick_modules", "undo_roots"]
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their hooks would never fire
 
@@ -109,6 +109,21 @@ def pick_modules(
             picked.setdefault(id(m), (n, m))
     inside = {id(sub) for _, m in picked.values() for sub in m.modules() if sub is not m}
     return [(n, m) for n, m in picked.values() if id(m) not in inside]
+
+
+def checked_call(function: str, model: Any, names: Any, enabled: Any) -> str:
+    """``function(model, names)`` as written, for messages, once ``model`` and ``enabled`` are checked.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``enabled`` is not a bool.
+    """
+    shown = type(model).__name__ if isinstance(model, nn.Module) else short(model)
+    call = f"{function}({shown}, {short(names)})"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}: model must be an nn.Module, got {type(model).__name__}. Pass your model.")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{call}: enabled must be True or False, got {short(enabled)}.")
+    return call
 
 
 def undo_roots(model: nn.Module, names: Any, call: str, done: str = "checkpointed") -> list[nn.Module]:
