@@ -290,6 +290,17 @@ class Guard:
         """Warn once: the open window's gradients changed outside the step's own backward."""
         self.note()
         owner = self.owner
+        ddp = _ddp_not_given(self.params.ids()) if self.sync.kind is SyncKind.SINGLE else None
+        if ddp is not None:  # DDP's own all-reduce rewrote the gradients: no backward of the user's
+            self._warn_once(
+                "ddp not given",
+                f"accumulate: the step's parameters belong to a {type(ddp).__name__} that was not given as "
+                f"model=, so DDP all-reduces and rewrites the gradients at every call's backward (what the "
+                f"step saw as a backward it did not run), one all-reduce per micro-step instead of per "
+                f"optimizer step. Fix: @accumulate({owner.every}, optimizer, model=ddp_model): the window's "
+                f"calls then run in no_sync().",
+            )
+            return
         if inside:
             what = (
                 f"a backward() ran inside the step (micro-step {owner.step + 1}) and added to the open "
@@ -354,3 +365,18 @@ def _on_optimizer_step(owner: weakref.ref[Guard], optimizer: Any, args: Any, kwa
     guard = owner()
     if guard is not None:
         guard.hand_step()
+
+
+def _ddp_not_given(ids: set[int]) -> torch.nn.Module | None:
+    """A live ``DistributedDataParallel`` whose parameters are among ``ids`` (the step's), or None.
+
+    Read once, on the path of a warning (a scan of the garbage collector's objects): never per call.
+    """
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    with warnings.catch_warnings():  # isinstance on some of torch's objects warns of deprecations
+        warnings.simplefilter("ignore")
+        found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    return next((d for d in found if any(id(p) in ids for p in d.parameters())), None)

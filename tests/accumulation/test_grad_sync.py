@@ -124,3 +124,43 @@ def test_a_window_over_a_static_graph_ddp_before_its_first_reduce_is_refused_at_
         [sys.executable, "-c", _STATIC_GRAPH], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr[-3000:]
+
+
+_DDP_NOT_GIVEN = """
+import warnings, torch
+import torch.nn.functional as F
+from torch import nn
+from speedups import SpeedupsWarning, accumulate
+from tests._dist import free_port
+
+url = f"tcp://127.0.0.1:{free_port()}"
+torch.distributed.init_process_group("gloo", init_method=url, rank=0, world_size=1)
+torch.manual_seed(0)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+step = accumulate(2, opt)(lambda x, y: F.mse_loss(ddp(x), y))  # model= forgotten
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for _ in range(4):
+        step(torch.randn(4, 4), torch.randn(4, 1))
+said = [str(w.message) for w in seen if issubclass(w.category, SpeedupsWarning)]
+assert len(said) == 1, said
+assert "belong to a DistributedDataParallel that was not given as model=" in said[0], said
+assert "@accumulate(2, optimizer, model=ddp_model)" in said[0] and "inside the step" not in said[0], said
+torch.distributed.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_ddp_model_not_given_as_model_is_named_instead_of_a_backward_inside_the_step() -> None:
+    """Without model=, DDP's own all-reduce rewrites the window's gradients at each backward, which the step
+    took for a backward() inside it (a new user's report): the warning names the DDP and model=."""
+    import subprocess
+    import sys
+
+    from tests._dist import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DDP_NOT_GIVEN], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr[-3000:]
