@@ -223,6 +223,13 @@ def _check_dataset(dataset: Any, batch_size: int | None, kwargs: dict[str, Any])
             f"of (input, target) samples; each row would be one sample with no target. Wrap the tensors: "
             f"fast_loader(TensorDataset(x, y), {size}) (or TensorDataset(x) for inputs alone)."
         )
+    if _columns(dataset):
+        shapes = ", ".join(str(tuple(t.shape)) for t in dataset)
+        raise TypeError(
+            f"fast_loader(dataset=a tuple of tensors of shapes {shapes}, {batch_size!r}): the tuple would be "
+            f"a dataset of {len(dataset)} samples, one per tensor, where you meant one sample per row. Wrap "
+            f"the tensors: fast_loader(TensorDataset(*tensors), {size}), e.g. TensorDataset(x, y)."
+        )
     if isinstance(dataset, IterableDataset):
         return
     ordered = kwargs.get("sampler") is not None or kwargs.get("batch_sampler") is not None
@@ -245,6 +252,20 @@ def _check_dataset(dataset: Any, batch_size: int | None, kwargs: dict[str, Any])
             f"__getitem__ but no __len__, and DataLoader's sampler needs the number of samples. Give the "
             f"dataset a __len__, or pass your own sampler=."
         )
+
+
+def _columns(dataset: Any) -> bool:
+    """Whether ``dataset`` is a tuple of tensors holding rows, ``(x, y)``: every one with the same first
+    dimension, longer than the tuple, one of them a matrix at least (a tuple of a few vectors, samples of
+    one shape, is left alone)."""
+    if not isinstance(dataset, tuple) or len(dataset) < 2:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in dataset):
+        return False
+    if all(t.dim() == 1 for t in dataset):
+        return False
+    rows = {int(t.shape[0]) for t in dataset}
+    return len(rows) == 1 and rows.pop() > len(dataset)
 
 
 def _check_sample_seeds(dataset: Any, kwargs: dict[str, Any]) -> None:

@@ -290,6 +290,10 @@ class _IndexedOnly:
             r"tensor of shape \(10, 3\), 4\): a bare tensor.*fast_loader\(TensorDataset\(x, y\), 4\)",
         ),
         (Squares, r"Squares, 4\): dataset is a class.*fast_loader\(Squares\(\.\.\.\), 4\)"),
+        (
+            (torch.zeros(8, 2), torch.zeros(8)),  # a new user's (x, y): 2 samples, one per tensor
+            r"a tuple of tensors of shapes \(8, 2\), \(8,\), 4\).*TensorDataset\(\*tensors\), 4\)",
+        ),
         (_generated(), r"got generator\. A plain iterable.*IterableDataset"),
         (_IndexedOnly(), r"has __getitem__ but no __len__.*sampler="),
     ],
@@ -297,6 +301,11 @@ class _IndexedOnly:
 def test_what_dataloader_would_fail_on_at_the_first_batch_is_refused_at_once(dataset, match) -> None:
     with pytest.raises(TypeError, match=r"fast_loader\(dataset=.*" + match):
         fast_loader(dataset, 4, num_workers=0)
+
+
+def test_a_tuple_of_sample_vectors_is_still_a_dataset_of_them() -> None:
+    loader = fast_loader((torch.ones(3), torch.zeros(3)), 1, num_workers=0)  # two samples of shape (3,)
+    assert [b.tolist() for b in loader] == [[[1.0, 1.0, 1.0]], [[0.0, 0.0, 0.0]]]
 
 
 def test_an_indexed_dataset_without_len_is_accepted_with_a_sampler() -> None:
