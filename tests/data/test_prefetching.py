@@ -163,7 +163,7 @@ class Sample:
 
 def test_another_device_gets_what_to_device_gives_at_hand_out() -> None:
     batches = [(Sample(torch.ones(2, 3), "a"), {"y": torch.zeros(2)}), (Sample(torch.ones(1, 3), "b"), {})]
-    got = list(prefetch_to_device(batches, "meta"))
+    got = list(DevicePrefetcher(batches, PassThrough(torch.device("meta"))))  # meta stands in for mps
     ref = [(Sample(s.x.to("meta"), s.name), {k: v.to("meta") for k, v in d.items()}) for s, d in batches]
     assert [type(b[0]) for b in got] == [Sample, Sample] and [b[0].name for b in got] == ["a", "b"]
     for (s, d), (rs, rd) in zip(got, ref, strict=True):
@@ -172,6 +172,11 @@ def test_another_device_gets_what_to_device_gives_at_hand_out() -> None:
             k: (v.device, v.shape) for k, v in rd.items()
         }
     assert batches[0][0].x.device.type == "cpu"  # the loader's batches are left alone
+
+
+def test_the_meta_device_is_refused_it_would_hand_out_batches_without_data() -> None:
+    with pytest.raises(ValueError, match=r"device='meta'\): the meta device holds shapes, no data"):
+        prefetch_to_device([torch.ones(2)], "meta")
 
 
 # ------------------------------------------------------------------------------- resume with @accumulate

@@ -170,7 +170,8 @@ def prefetch_to_device(loader: Iterable[Any], device: DeviceLike | None = None) 
     Raises:
         TypeError: ``loader`` is not such an iterable (an iterator or generator, a tensor, a dataset), or
             ``device`` has the wrong type.
-        ValueError: ``device`` is not a device name, or ``loader`` already prefetches.
+        ValueError: ``device`` is not a device name, or is ``meta`` (no data), or ``loader`` already
+            prefetches.
         SpeedupsError: ``device`` does not exist on this machine (the message lists those that do).
 
     Example:
@@ -181,5 +182,10 @@ def prefetch_to_device(loader: Iterable[Any], device: DeviceLike | None = None) 
     said = f"prefetch_to_device(loader=<{type(loader).__name__}>, device={device!r})"
     _check_loader(said, loader)
     target = resolve_device(device, call="prefetch_to_device")
+    if target.type == "meta":
+        raise ValueError(
+            f"{said}: the meta device holds shapes, no data, so every batch would come out empty. Pass the "
+            f"device the step runs on: prefetch_to_device(loader) picks cuda:LOCAL_RANK, else mps, else cpu."
+        )
     strategy: BatchCopy = SideStreamCopy(target) if target.type == "cuda" else PassThrough(target)
     return DevicePrefetcher(loader, strategy)
