@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from speedups._helpers import compat
-from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
 from speedups.memory.blocks import NameSpec, checked_call, overlaps, pick_modules, undo_roots
@@ -111,8 +110,6 @@ def uncompile_blocks(model: M, names: NameSpec | None = None) -> M:
         TypeError: ``model`` is not an ``nn.Module``; ``names`` of the wrong type.
         ValueError: an entry of ``names`` matches no submodule.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"uncompile_blocks({short(model)}): model must be an nn.Module.")
     roots = undo_roots(model, names, "uncompile_blocks", done="compiled")
     for root in roots:
         for module in root.modules():

@@ -15,7 +15,6 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from speedups._helpers.validate import short
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
 from speedups.memory.blocks import NameSpec, checked_call, overlaps, pick_modules, undo_roots
@@ -117,8 +116,6 @@ def uncheckpoint_activations(model: M, names: NameSpec | None = None) -> M:
         TypeError: ``model`` is not an ``nn.Module``; ``names`` of the wrong type.
         ValueError: an entry of ``names`` matches no submodule.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"uncheckpoint_activations({short(model)}): model must be an nn.Module.")
     roots = undo_roots(model, names, "uncheckpoint_activations")
     for root in roots:
         for module in root.modules():

@@ -128,7 +128,13 @@ def checked_call(function: str, model: Any, names: Any, enabled: Any) -> str:
 
 def undo_roots(model: nn.Module, names: Any, call: str, done: str = "checkpointed") -> list[nn.Module]:
     """Where an undo looks (``uncheckpoint_activations``, ``uncompile_blocks``): the plain model for
-    ``names=None``, else the modules ``names`` picks (:func:`pick_modules`'s rules and errors)."""
+    ``names=None``, else the modules ``names`` picks (:func:`pick_modules`'s rules and errors).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}({short(model)}): model must be an nn.Module.")
     if names is None:
         return [unwrap(model)]
     return [m for _, m in pick_modules(model, names, f"{call}(model, {short(names)})", done)]
