@@ -311,6 +311,21 @@ class Accumulator:
         self._close_window()
         return dropped
 
+    def discard(self) -> int:
+        """Drop the open window without an update (see ``Step.discard``); return the calls it held."""
+        dropped = self.pending
+        if dropped:
+            self.sync.check_discard(dropped, self.every)  # before anything changes
+            self.updater.zero_grad()
+            self._close_window()
+            self.sync.restart()
+        return dropped
+
+    def retire(self) -> None:
+        """The user's handle on the step is gone: it leaves the registry of live steps and stops watching
+        its optimizers (an open window it leaves is dropped by the next step that starts one there)."""
+        self.guard.retire()
+
     def _update(self, *, synced: bool, before: bool = False) -> None:
         """Apply the window; ``before``: tell the gradient sync first (``GradSync.before_update``), as a
         boundary call does. Whatever fails (the optimizer, the scheduler, a warning turned error), the window

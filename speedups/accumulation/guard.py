@@ -12,6 +12,8 @@ anything but the step's own backward touched the window, and does the rest once 
 from __future__ import annotations
 
 import functools
+import gc
+import inspect
 import itertools
 import warnings
 import weakref
@@ -73,17 +75,34 @@ class Guard:
         self.ran = False  # a call of the step ran
         self.born_after = OWNERSHIP.last  # the step that ran last when this one was made
         self.alone = True  # the process's only live step (OWNERSHIP says: see set_alone)
+        self.retired = False  # the user's handle on the step is gone (see retire)
+        self._handles: list[Any] = []
         OWNERSHIP.add(self)
         if hooks:  # a plain step on every call (enabled=False) owns no window to guard
             hook = functools.partial(_on_optimizer_step, weakref.ref(self))
             for optimizer in params.optimizers:
                 handle = optimizer.register_step_pre_hook(hook)
+                self._handles.append(handle)
                 weakref.finalize(self, handle.remove).atexit = False
 
     # ------------------------------------------------------------------ what OWNERSHIP asks of a step
     def known_params(self) -> list[torch.Tensor]:
         """The step's parameters as last read (another step asks; nothing is checked)."""
         return self.params.known()
+
+    def name(self) -> str:
+        """The step's function as messages name it: ``train_step (defined at train.py:12)``."""
+        return step_name(getattr(self.owner, "fn", None))
+
+    def retire(self) -> None:
+        """The user's handle on the step is gone: leave OWNERSHIP and stop watching the optimizers now,
+        whenever the step's objects are collected (a reference cycle, a kept traceback)."""
+        if self.retired:
+            return
+        self.retired = True
+        for handle in self._handles:
+            handle.remove()
+        OWNERSHIP.retire(self, self.owner.pending)
 
     def owned_ids(self) -> set[int]:
         """The ids of the step's parameters."""
@@ -116,21 +135,27 @@ class Guard:
             SpeedupsError: another step with an open window shares an optimizer with this one.
         """
         others = OWNERSHIP.sharing_optimizers(self)
+        if others:  # a step no one can reach any more (a class redefined in a notebook) goes first
+            gc.collect()
+            others = OWNERSHIP.sharing_optimizers(self)
         if not others:
             return
         other = others[0]
         mine = {id(opt) for opt in self.params.optimizers}
         shared = next(opt for opt in other.params.optimizers if id(opt) in mine)
-        name = getattr(getattr(other.owner, "fn", None), "__qualname__", "another step")
-        this = getattr(getattr(self.owner, "fn", None), "__qualname__", "this step")
+        name, this = other.name(), self.name()
+        if name == this:  # the same function, made twice (a cell run again, a factory called twice)
+            name = "an earlier step made from the same definition"
         raise SpeedupsError(
-            f"accumulate: {this} and {name} are two @accumulate steps over one optimizer "
-            f"({type(shared).__name__}), and {name}'s window is open ({other.owner.pending} of "
+            f"accumulate: {this} and {name} are two live @accumulate steps over one optimizer "
+            f"({type(shared).__name__}), and the other's window is open ({other.owner.pending} of "
             f"{other.owner.every} micro-steps): this call's backward would add to that window, and each step "
             f"would step the optimizer at its own boundary on the other's half-accumulated gradients. Fix: "
+            f"close the other's window first, `other_step.flush()` to apply it or `other_step.discard()` to "
+            f"drop it (a step no longer referenced anywhere is dropped by itself: `del other_step`); or "
             f"one step returning the sum of the losses (`return main_loss + aux_loss`), or an optimizer per "
             f"step (`accumulate(N, torch.optim.Adam(aux_head.parameters()))`); steps over one optimizer "
-            f"may take turns only window by window (the other's window applied first)."
+            f"may take turns only window by window."
         )
 
     def window_opens(self) -> None:
@@ -213,6 +238,18 @@ class Guard:
             strays = [p for p in strays if id(p) not in shared]
         for p in strays:
             p.grad = None
+        left = OWNERSHIP.abandoned_on(strays) if strays and OWNERSHIP.abandoned else None
+        if left is not None:  # a step whose handle went (a notebook cell run again) left its window open
+            name, pending, every = left
+            self._warn_once(
+                "abandoned",
+                f"accumulate: the window starting at micro-step {self.owner.step + 1} found the gradients "
+                f"of a window {name} left open ({pending} of {every} micro-steps) when that step was "
+                f"replaced or deleted; they were dropped, and that window took no optimizer step. To apply "
+                f"an interrupted window, call `train_step.flush()` before redefining the step; to drop it "
+                f"without a word, `train_step.discard()`.",
+            )
+            return
         another_ran = OWNERSHIP.last != (self.token if self.ran else self.born_after)
         if not strays or another_ran:
             return
@@ -358,6 +395,19 @@ class Guard:
         warnings.warn(message, SpeedupsWarning, stacklevel=user_stacklevel())
 
 
+def step_name(fn: Any) -> str:
+    """``fn``'s name and where it was defined, ``train_step (defined at train.py:12)``: two steps made from
+    functions of one name (a notebook cell run again) are told apart by line or cell file."""
+    if fn is None:
+        return "a step"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    try:
+        code = inspect.unwrap(fn).__code__
+    except (AttributeError, ValueError):  # a callable object, or a __wrapped__ loop
+        return str(name)
+    return f"{name} (defined at {code.co_filename}:{code.co_firstlineno})"
+
+
 def _on_optimizer_step(owner: weakref.ref[Guard], optimizer: Any, args: Any, kwargs: Any) -> None:
     """The optimizer's step pre-hook: it holds the guard weakly and goes when the step is collected.
 
@@ -372,8 +422,6 @@ def _ddp_not_given(ids: set[int]) -> torch.nn.Module | None:
 
     Read once, on the path of a warning (a scan of the garbage collector's objects): never per call.
     """
-    import gc
-
     from torch.nn.parallel import DistributedDataParallel
 
     with warnings.catch_warnings():  # isinstance on some of torch's objects warns of deprecations

@@ -31,6 +31,7 @@ class _Owner(Protocol):
     owner: Any  # the step's accumulator: its function, counters
 
     def known_params(self) -> list[torch.Tensor]: ...
+    def name(self) -> str: ...
     def owned_ids(self) -> set[int]: ...
     def set_alone(self, alone: bool) -> None: ...
 
@@ -49,6 +50,8 @@ class Ownership:
         self._refs: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: made once
         self._open: dict[int, weakref.ref[_Owner]] = {}  # id(step) -> the step, weakly: open windows
         self._foreign: dict[int, list[torch.Tensor]] = {}  # id(step) -> what it sets aside, until changed
+        # id(step) -> (its name, pending, every, {id(p): weakref to p}): the open windows of retired steps
+        self.abandoned: dict[int, tuple[str, int, int, dict[int, weakref.ref[torch.Tensor]]]] = {}
         self.last: int | None = None
         self.open_count = 0  # steps with an open window (a step that died open: until it is collected)
 
@@ -58,6 +61,29 @@ class Ownership:
         self._refs[id(step)] = weakref.ref(step)
         weakref.finalize(step, self._gone, id(step)).atexit = False
         self._tell_alone()
+
+    def retire(self, step: _Owner, pending: int) -> None:
+        """``step``'s handle is gone (its accumulator may live on): it leaves the registry now. An open
+        window of ``pending`` calls it leaves is remembered (its parameters weakly), for the next step that
+        finds its gradients."""
+        key = id(step)
+        self._steps.discard(step)
+        if pending:
+            held = {id(p): weakref.ref(p) for p in step.known_params()}
+            self.abandoned[key] = (step.name(), pending, step.owner.every, held)
+        self._gone(key)
+
+    def abandoned_on(self, params: list[torch.Tensor]) -> tuple[str, int, int] | None:
+        """Forget, and return as ``(name, pending, every)``, a retired step's window that left gradients on
+        some of ``params``; None when none did. Windows whose parameters are all gone are forgotten."""
+        found = None
+        for key, (name, pending, every, held) in list(self.abandoned.items()):
+            if not any(ref() is not None for ref in held.values()):
+                del self.abandoned[key]
+            elif found is None and any((ref := held.get(id(p))) is not None and ref() is p for p in params):
+                del self.abandoned[key]
+                found = name, pending, every
+        return found
 
     def _gone(self, key: int) -> None:
         self._open.pop(key, None)

@@ -40,6 +40,8 @@ class StepOwner(Protocol):
     ) -> Any: ...
     def wraps(self, fn: Callable[..., Any], body: Callable[..., Any]) -> None: ...
     def flush(self) -> None: ...
+    def discard(self) -> int: ...
+    def retire(self) -> None: ...
     def epoch(self, batches: Iterable[T]) -> Iterator[T]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -133,6 +135,24 @@ class _StepAttributes:
         """
         self._acc().flush()
 
+    def discard(self) -> int:
+        """Drop the open window without an optimizer step; return the calls it held (0: none was open).
+
+        The window's gradients are set to None and :attr:`pending` goes back to 0, as if its calls had not
+        run (:attr:`step` still counts them). For a loop interrupted mid-window (Ctrl-C in a notebook)
+        whose partial window should not count; :meth:`flush` applies it instead. No sync; under DDP every
+        rank must call it, so that the ranks' windows stay aligned.
+
+        Raises:
+            SpeedupsError: an FSDP2 model's gradient sync was off for the window (FSDP2 holds those
+                gradients in buffers no public API drops; nothing is changed).
+        """
+        return self._acc().discard()
+
+    def __dir__(self) -> list[str]:
+        # wrapt shows the wrapped function's names only: add the step's (tab completion, help())
+        return sorted(set(super().__dir__()) | _STEP_NAMES)
+
     def epoch(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from ``batches`` and :meth:`flush` when they are exhausted: windows never straddle epochs.
 
@@ -172,6 +192,9 @@ class _StepAttributes:
         return self._acc().merge_states(states, change)
 
 
+_STEP_NAMES = frozenset(name for name in vars(_StepAttributes) if not name.startswith("_"))
+
+
 class _BoundStep(_StepAttributes, wrapt.BoundFunctionWrapper):
     def _acc(self) -> StepOwner:
         return self._self_parent._self_acc
@@ -187,9 +210,22 @@ class Step(_StepAttributes, wrapt.FunctionWrapper, Generic[F]):
         super().__init__(body, acc)
         box.append(weakref.ref(self))  # weakly: a step no one holds goes at once, not at the next gc
         self._self_acc = acc
+        # The user's handle decides whether the step is alive: once it goes (its name rebound by a re-run
+        # notebook cell, a function returned), the step retires at once, even where its accumulator lives on
+        # in a reference cycle or a kept traceback, and blocks no later step.
+        # (The accumulator is held weakly: a hook of the user's may hold the step, and a strong reference
+        # from the finalizer registry would keep that cycle alive for ever.)
+        weakref.finalize(self, _retire, weakref.ref(acc)).atexit = False
 
     def _acc(self) -> StepOwner:
         return self._self_acc
+
+
+def _retire(acc: weakref.ref[StepOwner]) -> None:
+    """The step's handle is gone: retire its accumulator, if it lives on (else it went with the handle)."""
+    owner = acc()
+    if owner is not None:
+        owner.retire()
 
 
 def _outside_graphs(fn: F, box: list[Any]) -> F:

@@ -119,6 +119,10 @@ class GradSync:
     def after_flush(self, params: Sequence[torch.Tensor]) -> None:
         """Called after the update of a flushed window (every rank calls it)."""
 
+    def check_discard(self, pending: int, every: int) -> None:
+        """Refuse, before anything changes, to drop an open window of ``pending`` calls whose gradients this
+        strategy cannot drop; every window can be dropped here."""
+
     def restart(self, pending: int = 0) -> None:
         """After a checkpoint is loaded, with ``pending`` calls of a window restored: forget any switched-off
         sync (the next window starts afresh)."""

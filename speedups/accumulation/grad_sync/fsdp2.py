@@ -69,6 +69,21 @@ class FSDP2Sync(DataParallelSync):
         dist.all_reduce(count, group=self.group)
         return count
 
+    def check_discard(self, pending: int, every: int) -> None:
+        """Refuse to drop a window whose gradient sync was off (see ``GradSync.check_discard``).
+
+        Raises:
+            SpeedupsError: FSDP2 holds that window's gradients in buffers of its own.
+        """
+        if self.sync_off:
+            raise SpeedupsError(
+                f"accumulate(...).discard(): {pending} of {every} micro-steps are pending on an FSDP2 model "
+                f"whose gradient sync was off for them: FSDP2 keeps those gradients in buffers of its own, "
+                f"which no public API drops, so its next synchronised backward would add them in. Finish the "
+                f"window (call the step until train_step.pending == 0) or apply it: train_step.flush() "
+                f"after a call made with sync on (loop with `for batch in train_step.epoch(loader):`)."
+            )
+
     def restart(self, pending: int = 0) -> None:
         self.sync_off = False
         self.model.set_requires_gradient_sync(True)
