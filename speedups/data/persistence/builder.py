@@ -3,9 +3,9 @@
 One builder for ``fast_loader``, ``tune_loader`` and ``distributed()`` (:func:`build_loader`), and the
 unwrapping of what it wraps (:func:`unwrapped`), for code that reads a loader's sampler or dataset.
 
-How: the loader's sampler is wrapped in an :class:`~speedups.data.epoch_seeds.EpochSeeds`, which draws each
+How: the loader's sampler is wrapped in an :class:`~speedups.data.persistence.EpochSeeds`, which draws each
 later pass's base seed in the main process as a fresh ``DataLoader`` iterator would, and its dataset in a
-:class:`~speedups.data.worker_reseeding.WorkerReseeding`, which reseeds each worker with it at the pass's
+:class:`~speedups.data.persistence.WorkerReseeding`, which reseeds each worker with it at the pass's
 first item and runs ``worker_init_fn`` again. What cannot be matched with live workers gets fresh workers:
 a dataset with ``set_epoch`` (or wrapping one), whose per-epoch state only reaches workers started after
 it was set; an ``IterableDataset`` (or a DataPipe), whose items have no index to carry the seed.
@@ -19,8 +19,8 @@ import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from speedups._helpers import compat
-from speedups.data.epoch_seeds import EpochSeeds
-from speedups.data.worker_reseeding import WorkerReseeding
+from speedups.data.persistence.epoch_seeds import EpochSeeds
+from speedups.data.persistence.worker_reseeding import WorkerReseeding
 
 __all__ = [
     "EXACT",

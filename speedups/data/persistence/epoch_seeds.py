@@ -4,7 +4,7 @@ A ``DataLoader`` with ``persistent_workers=False`` draws its workers' base seed 
 the global torch RNG) every time an iterator is made; with persistent workers, torch makes the iterator
 once and later passes draw nothing. :class:`EpochSeeds` makes each later pass draw that seed, at the point
 of the sequence where a fresh iterator draws it, and hands it to the workers with every index, as keys for
-:class:`~speedups.data.worker_reseeding.WorkerReseeding`.
+:class:`~speedups.data.persistence.worker_reseeding.WorkerReseeding`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import Sampler
 
 from speedups._helpers import compat, env
-from speedups.data.dataset_state import Snapshot, attribute_ids, reassigned
-from speedups.data.worker_reseeding import EPOCH_KEY
+from speedups.data.persistence.dataset_state import Snapshot, attribute_ids, reassigned
+from speedups.data.persistence.worker_reseeding import EPOCH_KEY
 from speedups.errors import SpeedupsWarning
 
 __all__ = ["EpochSeeds"]

@@ -4,7 +4,7 @@ torch's persistent workers are seeded once, when they start; fresh workers (``pe
 are seeded at every epoch from a base seed the main process draws. :class:`WorkerReseeding` wraps the
 dataset so that a worker kept alive reseeds itself, as a fresh worker would have been seeded, when the first
 key of a new pass reaches it; the key carries that pass's base seed from the main process
-(:class:`~speedups.data.epoch_seeds.EpochSeeds`).
+(:class:`~speedups.data.persistence.epoch_seeds.EpochSeeds`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ EPOCH_KEY = "speedups.epoch_key"
 
 
 def is_epoch_key(key: Any) -> bool:
-    """Whether ``key`` is one :class:`~speedups.data.epoch_seeds.EpochSeeds` handed out."""
+    """Whether ``key`` is one :class:`~speedups.data.persistence.epoch_seeds.EpochSeeds` handed out."""
     return type(key) is tuple and len(key) == 4 and isinstance(key[0], str) and key[0] == EPOCH_KEY
 
 
