@@ -176,7 +176,8 @@ def check_result(out: Any) -> tuple[torch.Tensor, Any]:
     Raises:
         TypeError: no loss tensor, or a ``num_items`` that is neither a number nor a tensor.
         ValueError: a loss that is not a floating-point scalar with a ``grad_fn``; a ``num_items`` that is not
-            one finite real >= 0.
+            one finite real >= 0 (a tensor's value is checked at the boundary, where it is read anyway:
+            ``Window.has_items``), or a tensor that requires grad.
     """
     n = None
     loss = out
@@ -203,7 +204,16 @@ def check_result(out: Any) -> tuple[torch.Tensor, Any]:
             if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
                 raise ValueError(
                     f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
-                    f"{n.dtype}: expected a one-element real tensor or a number (items in the batch)."
+                    f"{n.dtype}: expected a one-element real tensor or a number (items in the batch). To "
+                    f"hand out more than the loss (a prediction, logits), return a mapping: "
+                    f"{{'loss': loss, 'num_items': len(y), 'logits': logits}}."
+                )
+            if n.requires_grad:
+                raise ValueError(
+                    f"accumulate: the step returned num_items={short(n)}, a tensor that requires grad: a "
+                    f"count of items has no gradient, so this is likely a model output (the prediction of a "
+                    f"batch of 1?) in num_items' place. Return (loss, len(y)) or (loss, mask.sum()); to hand "
+                    f"out a prediction too, {{'loss': loss, 'num_items': len(y), 'prediction': out}}."
                 )
         elif isinstance(n, bool) or not isinstance(n, numbers.Real):
             raise TypeError(

@@ -77,7 +77,7 @@ class Update:
         ``synced``: the gradients were averaged over the ranks by their sync (DDP, FSDP2). The caller zeroes
         the gradients and closes the window afterwards, whatever this raises.
         """
-        if window.mode is ITEMS and not window.has_items():
+        if window.mode is ITEMS and not window.has_items(step):
             self.last_step_skipped = True
             warn_skipped(step, empty=True)
             return None

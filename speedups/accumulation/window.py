@@ -12,6 +12,7 @@ go, and the per-call log from which an ``UpdateRecord`` computes the window's me
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import torch
@@ -44,7 +45,6 @@ class Window:
         mode: ``MEAN`` or ``ITEMS`` once the first call fixed it, else None.
         total_host, total_device: the window's item count given as Python numbers, and as tensors (None
             while none was). ref_n: the weight reference of the item counts (see ``GradSync.reference``).
-        host_items: this rank counted items > 0 given as Python numbers (the window holds items: no sync).
         losses: the detached losses ``skip_nonfinite`` checks at the boundary (one process only).
         log: per call ``(loss or loss * items, items)``, kept while an ``on_update`` hook is registered.
     """
@@ -60,7 +60,6 @@ class Window:
         self.total_host = 0.0
         self.total_device: torch.Tensor | None = None
         self.ref_n: Any = 1.0
-        self.host_items = False
         self.losses: list[torch.Tensor] = []
         self.log: list[tuple[torch.Tensor, Any]] = []
 
@@ -105,10 +104,12 @@ class Window:
     def _add_items(self, n: Any) -> None:
         if isinstance(n, torch.Tensor):
             n = n.detach().reshape(()).to(count_dtype(n.device))
+            # unread until the boundary (no sync per call): a negative or NaN/inf count makes the window's
+            # total NaN, on every rank once summed, and has_items raises there
+            n = torch.where((n >= 0) & n.isfinite(), n, torch.nan)
             self.total_device = n if self.total_device is None else self.total_device + n
         else:
             self.total_host += float(n)
-            self.host_items = self.host_items or n > 0
 
     def backward(self, target: torch.Tensor, keep: Keep, weight: float, scaler: Any) -> None:
         """Backward of ``target * weight``, scaled for the GradScaler ``scaler`` if any; ``keep``: which
@@ -172,13 +173,25 @@ class Window:
             return torch.where(total > 0, averaged * self.ref_n / total, torch.zeros_like(total)).float()
         return averaged * self.every / (self.sync.world * pending)
 
-    def has_items(self) -> bool:
-        """Whether the window (all ranks) holds items; a host-device sync only for device-tensor counts."""
+    def has_items(self, step: int) -> bool:
+        """Whether the window (all ranks) holds items; a host-device sync only for device-tensor counts.
+
+        Raises:
+            ValueError: a count given as a tensor (unread until now) was negative or not finite, on this
+                rank or, summed into the window's count, on another (``step``: the micro-step that ends the
+                window, for the message).
+        """
         if self.total_device is None:
             return bool(self.total_host)
-        if self.host_items:  # this rank counted items on the host, so the global sum is > 0 too
-            return True
-        return bool((self.total_device + self.total_host > 0).item())  # host-device sync, once per step
+        total = (self.total_device + self.total_host).item()  # host-device sync, once per step
+        if not math.isfinite(total):
+            raise ValueError(
+                f"accumulate: a num_items returned in the window ending at micro-step {step} was negative "
+                f"or not finite (a count on the device is checked here, at the optimizer step, so that no "
+                f"call waits for it); the window was dropped and nothing was stepped. Return a count >= 0: "
+                f"(loss, len(y)) or (loss, mask.sum())."
+            )
+        return total > 0
 
     def probe(self) -> torch.Tensor | None:
         """The summed losses whose finiteness decides a ``skip_nonfinite`` update, or None."""
@@ -198,7 +211,6 @@ class Window:
         if self.mode is ITEMS:
             self.total_host = 0.0
             self.total_device = None
-            self.host_items = False
             self.ref_n = 1.0
         if self.losses:
             self.losses = []
@@ -229,7 +241,6 @@ class Window:
         """Restore what :meth:`state_dict` returned (checked by the step before)."""
         self.mode = None if state["mode"] is None else Mode(state["mode"])
         self.total_host = float(state["total_host"])
-        self.host_items = self.total_host > 0  # items counted on the host: the window holds some, no sync
         self.total_device = state["total_device"]
         self.losses = list(state.get("losses", []))
         self.ref_n = state.get("ref_n", 1.0)

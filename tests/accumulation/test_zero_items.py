@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from speedups import SpeedupsWarning
@@ -155,3 +156,49 @@ def test_the_mask_of_a_gpu_count_is_copied_to_a_cpu_parameter_blocking_and_to_a_
     with _RecordedCopies() as mode:
         _mask(weakref.ref(owner), torch.ones(3, device="meta"))
     assert mode.copies == [("meta", True)]
+
+
+@pytest.mark.parametrize("bad", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+@pytest.mark.parametrize("where", [0, 2], ids=["first call", "third call"])
+def test_a_bad_tensor_count_is_refused_at_the_boundary_and_its_window_dropped(bad: float, where: int) -> None:
+    """A count given as a tensor is read once, at the boundary (no sync per call): a negative or non-finite
+    one there raises, as the same Python number raises at its call, and the window steps nothing."""
+    x, y, mask = _data()
+    model, opt, _ = _model_and_opt()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = [0]
+
+    @accumulate(3, opt)
+    def train_step(xb: torch.Tensor, yb: torch.Tensor, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = mb.sum() if calls[0] != where else torch.tensor(bad)
+        calls[0] += 1
+        return _masked_mean(model(xb), yb, mb), n
+
+    train_step(x[:4], y[:4], mask[:4])
+    train_step(x[4:8], y[4:8], mask[4:8])
+    with pytest.raises(ValueError, match=r"num_items returned in the window ending at micro-step 3 was "
+                       r"negative or not finite.*window was dropped and nothing was stepped"):
+        train_step(x[8:12], y[8:12], mask[8:12])
+    assert train_step.pending == 0 and train_step.num_updates == 0 and train_step.step == 3
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    torch.testing.assert_close(list(model.parameters()), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"num_items=-3: expected a finite count >= 0"):  # the number form
+        accumulate(1, opt)(lambda: (model(x[:4]).mean(), -3))()
+
+
+def test_a_count_that_requires_grad_is_refused_at_its_call_as_a_prediction_in_its_place() -> None:
+    """``return loss, out`` with a batch of 1: a one-element prediction is no item count."""
+    x, y, _ = _data()
+    model, opt, _ = _model_and_opt()
+
+    @accumulate(2, opt)
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xb)
+        return F.mse_loss(out, yb), out
+
+    with pytest.raises(ValueError, match=r"num_items=tensor\(.*requires grad.*prediction of a batch of 1.*"
+                       r"'prediction': out"):
+        train_step(x[:1], y[:1])
+    assert train_step.step == 0 and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match=r"num_items of shape \(2, 1\).*return a mapping"):
+        train_step(x[:2], y[:2])
