@@ -379,6 +379,49 @@ def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: in
     del other
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one step (the short path)", "two steps"])
+@pytest.mark.parametrize("call", [0, 2], ids=["the window's first call", "a later call"])
+def test_the_once_a_window_checks_run_on_every_window_not_only_the_first(call: int, alone: bool) -> None:
+    """A backward() inside the step, or an outer fp16 autocast, that starts in the third window is found
+    there: the checks done once a window run on each window's first call, whatever the path."""
+    other = None if alone else _steps_on(mlp(3, 8, 1))
+    model = mlp(3, 8, 1)
+    calls = [0]
+
+    @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
+    def step(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        out = model(x)
+        if calls[0] == 8 + call + 1:  # in the third window only
+            out.sum().backward(retain_graph=True)
+        return out.pow(2).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(8):  # two clean windows: the short path is taken from the second call on
+            step(torch.randn(4, 3))
+    assert step._acc().guard.alone is alone and step._acc().short
+    with pytest.warns(SpeedupsWarning, match=r"backward\(\) ran inside the step \(micro-step (9|11)\).*1/4"):
+        for _ in range(4):
+            step(torch.randn(4, 3))
+    del step
+    gc.collect()
+
+    @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    for _ in range(8 + call):
+        plain(torch.randn(4, 3))
+    assert plain._acc().guard.alone is alone and plain._acc().short
+    with pytest.raises(SpeedupsError, match=r"inside an fp16 autocast \(cpu\) entered outside it"):
+        with torch.autocast("cpu", dtype=torch.float16):  # around the loop from here on
+            for _ in range(4 - call + 1):  # entered mid-window: found at the next window's first call
+                plain(torch.randn(4, 3))
+    assert plain.step == 8 + (call and 4)
+    del other
+
+
 def test_a_backward_inside_a_step_of_one_call_windows_is_exact_and_not_warned() -> None:
     data = _aux_data()
     body, reg, cls = _two_heads()
