@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "uncompile_module",
+    "has_compiled_call",
     "NOT_COMPILING",
     "checkpoint_region",
     "eager_frames",
@@ -272,3 +273,14 @@ def uncompile_module(module: nn.Module) -> None:
     ``__call__`` prefers; torch has no public undo, so the attribute goes back to its class default (None).
     """
     module.__dict__.pop("_compiled_call_impl", None)
+
+
+def has_compiled_call(module: nn.Module) -> bool:
+    """Whether ``module``'s own call is compiled (``module.compile()``, which ``compile_blocks`` uses).
+
+    ``nn.Module.compile`` stores ``torch.compile(self._call_impl)`` as the instance attribute
+    ``_compiled_call_impl``, which ``__call__`` prefers; torch has no public reader. A call compiled so runs
+    compiled wherever it is made, also under ``torch._disable_dynamo`` (torch's checkpoint recompute): its
+    ``torch.compile`` wrapper turns dynamo back on.
+    """
+    return module.__dict__.get("_compiled_call_impl") is not None

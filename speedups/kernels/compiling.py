@@ -37,8 +37,9 @@ def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options
     with the number of distinct blocks, not with depth. What it costs: a graph break between blocks (the
     code around them runs eagerly), so the step may be a little slower than the whole model compiled
     (``benchmarks/compile.py`` gives both). Composes with ``@accumulate`` (micro-batching too),
-    ``mixed_precision``, ``ddp_wrap`` and FSDP2 in either order (names are the plain model's), and
-    checkpoints. Sync points: none; the first call of each block compiles (seconds).
+    ``mixed_precision``, ``ddp_wrap``, FSDP2 and :func:`~speedups.checkpoint_activations` (on the same blocks:
+    the compiled code runs in forward and in the recompute) in either order (names are the plain model's),
+    and checkpoints. Sync points: none; the first call of each block compiles (seconds).
 
     Args:
         model: the model (plain, DDP-wrapped, FSDP2-sharded or compiled); its plain module's blocks are
@@ -129,4 +130,4 @@ def compiled_blocks(model: nn.Module) -> list[str]:
 
 def _compiled(module: nn.Module) -> bool:
     """Whether ``module``'s call is compiled (by :func:`compile_blocks` or ``module.compile()``)."""
-    return module.__dict__.get("_compiled_call_impl") is not None
+    return compat.has_compiled_call(module)

@@ -36,8 +36,10 @@ def checkpoint_activations(model: M, names: NameSpec, *, enabled: bool = True) -
     (``profile_steps(model=...)`` shows the bytes per block). Buffers a forward writes (BatchNorm's running
     statistics) are put back after each recompute, so they end as a plain run leaves them. Composes with
     ``@accumulate`` (micro-batching too), ``mixed_precision``, ``ddp_wrap``, FSDP2's ``fully_shard`` (before
-    or after it) and ``torch.compile`` (a checkpointed block then runs eagerly, as its recompute does: a graph
-    break around it; compiled code is reset so the hooks are seen). Only calls through ``block(...)`` count.
+    or after it) and ``torch.compile`` (under a whole-model compile a checkpointed block runs eagerly, as its
+    recompute does: a graph break around it; a block compiled on its own, by :func:`~speedups.compile_blocks`
+    in either order, runs its compiled code in forward and recompute alike; compiled code is reset so the
+    hooks are seen). Only calls through ``block(...)`` count.
     Side effects of a forward other than its buffers (a Python counter, a list appended to) run again.
     Sync points: none.
 

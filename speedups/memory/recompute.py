@@ -12,6 +12,13 @@ by the recompute. The hooks put them back after each recompute, so they end as a
 running statistics of every norm layer in training mode that tracks them (torch's batch-norm kernels update
 them without bumping their version counters, so they are known by their layer), and any other buffer whose
 version counter a forward of the module moved.
+
+The forward inside the region runs as the recompute will, since torch's checkpoint compares what each saves
+(count, shapes, dtypes) and raises ``CheckpointError`` when they differ: AOT autograd (inductor, aot_eager)
+saves other tensors than eager autograd. torch runs the recompute with dynamo off, so the forward of a module
+inside a whole-model ``torch.compile`` is made eager; a module whose own call is compiled (``compile_blocks``,
+``module.compile()``) runs that compiled call in the recompute too (its ``torch.compile`` wrapper turns dynamo
+back on), so its forward is left compiled.
 """
 
 from __future__ import annotations
@@ -69,7 +76,11 @@ class Recompute:
         if self._buffers:
             self._versions.append([compat.grad_version(b) for b in self._buffers])
         region = compat.checkpoint_region(module, args, kwargs, self._contexts)
-        frames = compat.eager_frames()  # the forward runs as the recompute will: eagerly
+        # The forward runs as the recompute will, or the recompute saves other tensors and torch's checkpoint
+        # raises CheckpointError: torch runs the recompute with dynamo off (eagerly), except a module whose
+        # own call is compiled (compile_blocks, module.compile()): its compiled call turns dynamo back on.
+        own = compat.has_compiled_call(module)
+        frames = compat.NOT_COMPILING if own else compat.eager_frames()
         next(region)
         self._regions.append((region, frames))
 
