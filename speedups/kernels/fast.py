@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -45,7 +45,9 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
     ``True`` where it cannot apply raises. :attr:`changed`, :attr:`already` and :attr:`not_applied` say what
     happened; ``print()`` shows them. ``restore()`` (or leaving the ``with`` block) puts back each flag
     changed (with the older and newer TF32 settings both, exactly) and makes converted weights contiguous
-    again. Restore nested switches innermost first. ``enabled=False`` changes nothing.
+    again. Nested switches restore newest first: an older one's ``restore()`` while a newer one is in force
+    raises, changing nothing. Not a decorator: ``@fast_kernels(model)`` raises ``TypeError`` once what the
+    call changed is put back. ``enabled=False`` changes nothing.
 
     Args:
         model: the ``nn.Module`` whose convolutions to convert (before any DDP wrapping), or None.
@@ -55,9 +57,9 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         enabled: False: a no-op.
 
     Raises:
-        TypeError, ValueError: a bad argument (nothing is changed then).
+        TypeError, ValueError: a bad argument (nothing is changed then); used as a decorator.
         SpeedupsError: a ``True`` that cannot apply here; :func:`~speedups.deterministic` in force;
-            ``with`` on a switch already restored.
+            ``with`` on a switch already restored; ``restore()`` while a newer ``fast_kernels`` is in force.
 
     Example:
         >>> conv = nn.Conv2d(3, 8, 3)
@@ -81,6 +83,12 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         said = f"fast_kernels({shown}, tf32={tf32!r}, cudnn_benchmark={cudnn_benchmark!r}"
         said += f", channels_last={channels_last!r}, enabled={enabled!r})"
         self._said = said
+        if callable(model) and not isinstance(model, nn.Module):
+            name = getattr(model, "__qualname__", validate.short(model))
+            raise TypeError(
+                f"@fast_kernels on {name}: fast_kernels is a switch, not a decorator, and takes the model; "
+                f"nothing was changed. Write it inside the function: with fast_kernels(model): ..."
+            )
         with validate.arguments(said):
             validate.flag(enabled, "enabled")
             for name, value in (
@@ -192,7 +200,7 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
             self.changed, self.already, self.convolutions = {}, [], 0
             raise
         self._undo = undo
-        kernel_switches.enter("fast_kernels", self)
+        kernel_switches.enter("fast_kernels", self, self._said)
         if self.not_applied and env.rank() == 0:
             reasons = "; ".join(f"{name}: {why}" for name, why in self.not_applied.items())
             off = ", ".join(f"{name}=False" for name in self.not_applied)
@@ -235,10 +243,15 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         """Put back what the call changed: the flags, and the memory format of the weights it converted.
 
         A second call (or one after ``enabled=False``) does nothing.
+
+        Raises:
+            SpeedupsError: a ``fast_kernels`` switch made after this one is still in force (restore newest
+                first); nothing is changed then.
         """
-        undo, self._undo = self._undo, None
-        if undo is None:
+        if self._undo is None:
             return
+        kernel_switches.check_order(self, self._said)
+        undo, self._undo = self._undo, None
         kernel_switches.leave(self)
         for step in reversed(undo):
             step()
@@ -253,6 +266,19 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        """Refuse use as a decorator (``@fast_kernels(model)``), once what the call changed is put back.
+
+        A decorator could not undo what the switch did when the decorator line made it, and a fresh switch
+        per call would convert the weights and their optimizer state there and back at every call.
+
+        Raises:
+            TypeError: always, saying how to write it.
+        """
+        raise kernel_switches.not_a_decorator(
+            self, self._said, args[0] if args else None, self.restore, "with fast_kernels(model): ..."
+        )
 
     def __repr__(self) -> str:
         state = "active" if self.active else "off" if not self.enabled else "restored"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -44,9 +44,11 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
     :attr:`limits` lists them; ``print()`` shows what was changed and the limits.
 
     ``restore()`` (or leaving the ``with`` block) puts back the flags, the variable (removed if it was
-    unset) and the global random states of before the call (CUDA's if it was initialised). Restore nested
-    switches innermost first. ``enabled=False`` changes nothing. Refused while :func:`~speedups.fast_kernels`
-    is in force (it sets the opposite flags), and refuses it.
+    unset) and the global random states of before the call (CUDA's if it was initialised). Nested switches
+    restore newest first: an older one's ``restore()`` while a newer one is in force raises, changing
+    nothing. ``enabled=False`` changes nothing. Refused while :func:`~speedups.fast_kernels` is in force (it
+    sets the opposite flags), and refuses it. Not a decorator: ``@deterministic(seed=0)`` raises
+    ``TypeError`` once what the call changed is put back; write ``with deterministic(seed=0):`` inside.
 
     Args:
         seed: an int in [0, 2**32 - 1]; None leaves the random states as they are.
@@ -55,8 +57,9 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         enabled: False: a no-op.
 
     Raises:
-        TypeError, ValueError: a bad argument (nothing is changed then).
-        SpeedupsError: :func:`~speedups.fast_kernels` in force; ``with`` on a switch already restored.
+        TypeError, ValueError: a bad argument (nothing is changed then); used as a decorator.
+        SpeedupsError: :func:`~speedups.fast_kernels` in force; ``with`` on a switch already restored;
+            ``restore()`` while a newer ``deterministic`` is in force.
 
     Example:
         >>> with deterministic(seed=0) as switch:
@@ -73,6 +76,13 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
     ) -> None:
         said = f"deterministic(seed={seed!r}, per_rank={per_rank!r}, warn_only={warn_only!r}"
         said += f", enabled={enabled!r})"
+        self._said = said
+        if callable(seed) and not isinstance(seed, int):
+            name = getattr(seed, "__qualname__", validate.short(seed))
+            raise TypeError(
+                f"@deterministic on {name}: deterministic is a switch, not a decorator, and takes a seed; "
+                f"nothing was changed. Write it inside the function: with deterministic(seed=0): ..."
+            )
         rank = env.rank()
         with validate.arguments(said):
             validate.flag(enabled, "enabled")
@@ -86,7 +96,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
                     f"seed + rank = {seed + rank} on rank {rank} is above 2**32 - 1 (NumPy's range). "
                     f"Pass a smaller seed, e.g. seed=0."
                 )
-        self.enabled, self.warn_only = enabled, warn_only
+        self.enabled, self.warn_only, self._seed = enabled, warn_only, seed
         self.seed: int | None = None if seed is None else seed + (rank if per_rank else 0)
         """The seed this process was seeded with (``seed + rank`` with ``per_rank=True``), or None."""
         self.changed: dict[str, tuple[Any, Any]] = {}
@@ -128,7 +138,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         if before not in _DETERMINISTIC_CUBLAS:
             os.environ[CUBLAS_CONFIG] = ":4096:8"
         self._saved = saved
-        kernel_switches.enter("deterministic", self)
+        kernel_switches.enter("deterministic", self, self._said)
         self.changed = {
             "torch.backends.cudnn.deterministic": (saved["cudnn.deterministic"], True),
             "torch.backends.cudnn.benchmark": (saved["cudnn.benchmark"], False),
@@ -161,10 +171,15 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         """Put back what the call changed: the flags, ``CUBLAS_WORKSPACE_CONFIG`` and the random states.
 
         A second call (or one after ``enabled=False``) does nothing.
+
+        Raises:
+            SpeedupsError: a ``deterministic`` switch made after this one is still in force (restore newest
+                first); nothing is changed then.
         """
-        saved, self._saved = self._saved, None
-        if saved is None:
+        if self._saved is None:
             return
+        kernel_switches.check_order(self, self._said)
+        saved, self._saved = self._saved, None
         kernel_switches.leave(self)
         cudnn = torch.backends.cudnn
         cudnn.deterministic, cudnn.benchmark = saved["cudnn.deterministic"], saved["cudnn.benchmark"]
@@ -186,6 +201,21 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        """Refuse use as a decorator (``@deterministic(seed=0)``), once what the call changed is put back.
+
+        A decorator could not undo what the switch did when the decorator line made it, and a fresh switch
+        per call would seed every call alike (the same dropout masks at every step) and rewind the random
+        streams after it.
+
+        Raises:
+            TypeError: always, saying how to write it.
+        """
+        raise kernel_switches.not_a_decorator(
+            self, self._said, args[0] if args else None, self.restore,
+            f"with deterministic(seed={self._seed!r}): ...",
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         state = "active" if self.active else "off" if not self.enabled else "restored"

@@ -459,6 +459,48 @@ def test_nested_switches_keep_their_own_state_and_restore_innermost_first(ampere
     assert _views() == before and kernel_switches.find("fast_kernels") is None
 
 
+def test_restoring_out_of_order_is_refused_before_anything_changes(ampere: None) -> None:
+    model, before = _net(), _views()
+    layouts = _layouts(model)
+    outer = fast_kernels(cudnn_benchmark=True, tf32=False)
+    inner = fast_kernels(model, tf32=True)
+    inside, inside_layouts = _views(), _layouts(model)
+    with pytest.raises(
+        SpeedupsError,
+        match=r"^fast_kernels\(None, tf32=False, .*\)\.restore\(\): fast_kernels\(Sequential\(\.\.\.\), "
+        r"tf32=True, .*\) was made after it and still in force\..*newest first",
+    ):
+        outer.restore()
+    assert _views() == inside and _layouts(model) == inside_layouts and outer.active
+    inner.restore()
+    outer.restore()
+    assert _views() == before and _layouts(model) == layouts
+
+
+def test_used_as_a_decorator_it_is_refused_and_leaves_nothing_changed() -> None:
+    model, before = _net(), _views()
+    layouts = _layouts(model)
+    with pytest.raises(
+        TypeError,
+        match=r"^@fast_kernels\(Sequential\(\.\.\.\), .*\) on .*train: a switch is not a decorator\..*is put "
+        r"back\. Write it inside the function: with fast_kernels\(model\): \.\.\.$",
+    ):
+
+        @fast_kernels(model, tf32=False, cudnn_benchmark=False)
+        def train() -> None:
+            pass
+
+    assert _views() == before and _layouts(model) == layouts
+    assert kernel_switches.find("fast_kernels") is None
+    with pytest.raises(TypeError, match=r"^@fast_kernels on .*train: fast_kernels is a switch, not a"):
+
+        @fast_kernels  # type: ignore[arg-type]
+        def train() -> None:
+            pass
+
+    assert _views() == before
+
+
 def test_with_on_a_restored_switch_is_refused() -> None:
     switch = fast_kernels(_net(), tf32=False, cudnn_benchmark=False)
     switch.restore()

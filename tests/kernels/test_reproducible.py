@@ -95,6 +95,62 @@ def test_nested_switches_restore_innermost_first() -> None:
     assert _flags() == before
 
 
+def test_restoring_out_of_order_is_refused_before_anything_changes_and_in_order_puts_back_the_start() -> None:
+    """Outer first would put back the outer's findings under the inner switch, and the inner's restore then
+    the outer's settings: deterministic algorithms on after both (the field case). Refused, unchanged."""
+    before, rng = _flags(), torch.get_rng_state()
+    outer = deterministic(seed=0, warn_only=True)
+    inner = deterministic(seed=1)
+    inside, inside_rng = _flags(), torch.get_rng_state()
+    refused = (
+        r"^deterministic\(seed=0, per_rank=False, warn_only=True, enabled=True\)\.restore\(\): "
+        r"deterministic\(seed=1, .*\) was made after it and still in force\..*nothing was changed\. "
+        r"Restore switches newest first: newer\.restore\(\)"
+    )
+    with pytest.raises(SpeedupsError, match=refused):
+        outer.restore()
+    assert _flags() == inside and torch.equal(torch.get_rng_state(), inside_rng)
+    assert outer.active and inner.active
+    third = deterministic(seed=2)
+    with pytest.raises(SpeedupsError, match=r"2 switches were, the newest deterministic\(seed=2, "):
+        outer.restore()
+    third.restore()
+    inner.restore()
+    outer.restore()
+    assert _flags() == before and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_used_as_a_decorator_it_is_refused_and_leaves_nothing_changed() -> None:
+    """@deterministic(seed=0) made the switch (flags, variable, seeds) before it saw the function: the
+    TypeError comes once that is put back; @deterministic bare is refused before anything changes."""
+    before, rng = _flags(), torch.get_rng_state()
+    with pytest.raises(
+        TypeError,
+        match=r"^@deterministic\(seed=0, .*\) on .*train: a switch is not a decorator\..*is put back\. Write "
+        r"it inside the function: with deterministic\(seed=0\): \.\.\.$",
+    ):
+
+        @deterministic(seed=0)
+        def train() -> None:
+            pass
+
+    assert _flags() == before and torch.equal(torch.get_rng_state(), rng)
+    with pytest.raises(TypeError, match=r"^@deterministic on .*train: deterministic is a switch, not a"):
+
+        @deterministic  # type: ignore[arg-type]
+        def train() -> None:
+            pass
+
+    assert _flags() == before and torch.equal(torch.get_rng_state(), rng)
+    with deterministic(seed=0) as outer:  # not the newest: left in force, and said so
+        inner = deterministic(seed=1)
+        with pytest.raises(TypeError, match=r"It stays in force, since switches made after it are"):
+            outer(print)
+        assert outer.active
+        inner.restore()
+    assert _flags() == before
+
+
 def test_seeds_every_stream_then_puts_the_streams_back() -> None:
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
     untouched = _draws()
