@@ -1,8 +1,9 @@
 """One switch for fast fp32 kernels: TF32 matmuls and convolutions, cuDNN autotuning, channels_last.
 
 ``fast_kernels(model)`` takes effect when called and stays until ``.restore()`` (or the end of a ``with``
-block), which puts back every flag it changed and the memory format of the convolutions it converted. The
-opposite of :func:`~speedups.deterministic`: each refuses to start while the other is in force.
+block), which puts back every flag it changed and the memory format of the convolutions it converted (with
+their optimizer state: :mod:`speedups.kernels.weight_layout`). The opposite of
+:func:`~speedups.deterministic`: each refuses to start while the other is in force.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from speedups._helpers import env, kernel_switches, validate, wrappers
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.kernels import tf32 as tf32_settings
+from speedups.kernels import weight_layout
 
 __all__ = ["fast_kernels"]
 
@@ -35,19 +37,22 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
     input shape and keeps the fastest; it helps when shapes repeat and costs a slow first step per new
     shape. ``channels_last``: the model's ``Conv2d``/``ConvTranspose2d`` weights become
     ``torch.channels_last`` (NHWC), the layout tensor cores and oneDNN prefer; the first convolution turns
-    its input to NHWC, and ``x.to(memory_format=torch.channels_last)`` on each batch saves that copy. Call it
-    before the optimizer's first step, ``ddp_wrap`` and ``torch.compile``. No sync. Sources: NVIDIA's TF32
-    and tensor-core layout guides, PyTorch's performance tuning guide.
+    its input to NHWC, and ``x.to(memory_format=torch.channels_last)`` on each batch saves that copy. The
+    weights stay the same ``Parameter``s, and their gradients and the state every ``torch.optim.Optimizer``
+    holds for them (``exp_avg``, ``momentum_buffer``, ...; found by one scan of live objects) change layout
+    with them, there and back, values exact: a fused step pairs elements in memory order. Call it before
+    ``ddp_wrap`` and ``torch.compile``. No sync. Sources: NVIDIA's TF32 and tensor-core layout guides,
+    PyTorch's performance tuning guide.
 
     ``"auto"`` (each default) turns a setting on where it applies and leaves it, with one
     :class:`~speedups.SpeedupsWarning` saying why, where it does not (TF32 before Ampere or off CUDA; cuDNN
     off CUDA or under ``torch.use_deterministic_algorithms(True)``; a model without 2-d convolutions).
     ``True`` where it cannot apply raises. :attr:`changed`, :attr:`already` and :attr:`not_applied` say what
     happened; ``print()`` shows them. ``restore()`` (or leaving the ``with`` block) puts back each flag
-    changed (with the older and newer TF32 settings both, exactly) and makes converted weights contiguous
-    again. Nested switches restore newest first: an older one's ``restore()`` while a newer one is in force
-    raises, changing nothing. Not a decorator: ``@fast_kernels(model)`` raises ``TypeError`` once what the
-    call changed is put back. ``enabled=False`` changes nothing.
+    changed (with the older and newer TF32 settings both, exactly) and makes converted weights (and their
+    optimizer state) contiguous again. Nested switches restore newest first: an older one's ``restore()``
+    while a newer one is in force raises, changing nothing. Not a decorator: ``@fast_kernels(model)`` raises
+    ``TypeError`` once what the call changed is put back. ``enabled=False`` changes nothing.
 
     Args:
         model: the ``nn.Module`` whose convolutions to convert (before any DDP wrapping), or None.
@@ -109,6 +114,8 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         """The settings left as they are because they do not apply here: name -> why."""
         self.convolutions = 0
         """How many convolutions' weights the call turned to channels_last."""
+        self.optimizer_state = 0
+        """How many optimizer state tensors (``exp_avg``, ``momentum_buffer``, ...) followed their weights."""
         self._undo: list[Callable[[], None]] | None = None
         if not enabled:
             return
@@ -212,8 +219,17 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
             )
 
     def _to_channels_last(self, convolutions: list[Convolution]) -> Callable[[], None]:
-        """Turn each contiguous conv weight to channels_last; return what turns them back."""
+        """Turn each contiguous conv weight to channels_last, with its gradient and the optimizer state made
+        for it (:mod:`speedups.kernels.weight_layout`); return what turns them back."""
         fmt = torch.channels_last
+        subclassed = [m for m in convolutions if type(m.weight.data) is not torch.Tensor]  # DTensor, ...
+        if subclassed:
+            kinds = sorted({type(m.weight.data).__name__ for m in subclassed})
+            self.already.append(
+                f"{_count(len(subclassed))} with {', '.join(kinds)} weights (sharded or a tensor subclass), "
+                f"left as they are: convert before sharding"
+            )
+            convolutions = [m for m in convolutions if type(m.weight.data) is torch.Tensor]
         todo = [
             m
             for m in convolutions
@@ -227,22 +243,23 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
             )
         if any(not m.weight.is_contiguous() for m in done):
             self.already.append(f"{_count(sum(not m.weight.is_contiguous() for m in done))} in channels_last")
-        for module in todo:
-            module.to(memory_format=fmt)  # nn.Module.to: the weight (and its .grad) in place, same Parameter
+        # The same Parameters (an optimizer holds them), their gradients and optimizer state along
+        self.optimizer_state = weight_layout.relayout(_weights(todo), fmt)
         self.convolutions = len(todo)
         if todo:
             self.changed["channels_last"] = (torch.contiguous_format, fmt)
 
         def undo() -> None:
-            for module in todo:
-                module.to(memory_format=torch.contiguous_format)
+            weight_layout.relayout(_weights(todo), torch.contiguous_format)
 
         return undo
 
     def restore(self) -> None:
         """Put back what the call changed: the flags, and the memory format of the weights it converted.
 
-        A second call (or one after ``enabled=False``) does nothing.
+        The optimizer state of the converted weights (in every ``torch.optim.Optimizer`` that holds them,
+        found by one scan of live objects) follows them back to the contiguous layout, values exact. A second
+        call (or one after ``enabled=False``) does nothing.
 
         Raises:
             SpeedupsError: a ``fast_kernels`` switch made after this one is still in force (restore newest
@@ -285,10 +302,20 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         lines = [f"{self._said.split(', enabled=')[0]}): {state}"]
         for name, (old, new) in self.changed.items():
             count = f" ({_count(self.convolutions)})" if name == "channels_last" else ""
+            if name == "channels_last" and self.optimizer_state:
+                count = f" ({_count(self.convolutions)}, {self.optimizer_state} optimizer state tensors)"
             lines.append(f"  set {name}{count}: {old!r} -> {new!r}")
         lines += [f"  already so: {what}" for what in self.already]
         lines += [f"  not applicable here: {name}: {why}" for name, why in self.not_applied.items()]
         return "\n".join(lines)
+
+
+def _weights(convolutions: list[Convolution]) -> list[torch.Tensor]:
+    """The convolutions' weights, each once (a weight shared by two convolutions is one tensor)."""
+    unique: dict[int, torch.Tensor] = {}
+    for module in convolutions:
+        unique.setdefault(id(module.weight), module.weight)
+    return list(unique.values())
 
 
 def _count(n: int) -> str:
