@@ -8,7 +8,9 @@ import contextlib
 import csv
 import gc
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -33,7 +35,7 @@ def test_a_second_holder_in_this_process_is_refused_and_a_released_or_collected_
     first, second = PathHold(lock, _clash), PathHold(lock, _clash)
     first.acquire()
     first.acquire()  # held: nothing to do
-    assert first.held and lock.read_text() == f"{os.getpid()}\n"
+    assert first.held and lock.read_text() == f"{os.getpid()}\n{socket.gethostname()}\n"
     with pytest.raises(SpeedupsError, match=rf"^taken by {os.getpid()}$"):
         second.acquire()  # a POSIX lock would let this process take it twice: the registry refuses it
     assert first.held and not second.held
@@ -115,7 +117,7 @@ def test_a_killed_writers_path_is_free_at_once_while_the_children_it_forked_live
         for child in children:
             os.kill(child, 0)  # the orphaned children still live (ProcessLookupError otherwise)
         lock = folder / ("metrics.csv.lock" if writer == "MetricLogger" else "run.lock")
-        assert lock.read_text() == f"{os.getpid()}\n"
+        assert lock.read_text() == f"{os.getpid()}\n{socket.gethostname()}\n"
         taken.close()
     finally:
         process.kill()
@@ -212,3 +214,52 @@ def test_the_hold_itself_is_never_held_by_a_forked_child_that_keeps_the_descript
         if child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+_CONTENDER = """
+import sys
+from pathlib import Path
+from speedups._helpers.holds import PathHold
+try:
+    PathHold(Path(sys.argv[1]), lambda pid: f"taken by {pid}").acquire()
+    print("taken")
+except Exception as err:
+    print(err)
+"""
+
+
+def _contend(lock: Path) -> str:
+    """What a second process gets when it asks for ``lock``."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CONTENDER), str(lock)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["open and close", "copytree of the folder", "os.open and os.close"])
+def test_the_hold_survives_its_holder_closing_another_descriptor_of_the_lock_file(
+    tmp_path: Path, how: str
+) -> None:
+    """POSIX drops a process's record locks on a file when it closes any descriptor of that file: a backup
+    of the run folder would let a second writer in. The open file's own lock stays with the holder."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / "run.lock"
+    hold = PathHold(lock, _clash)
+    hold.acquire()
+    try:
+        assert _contend(lock) == f"taken by {os.getpid()}"
+        if how == "open and close":
+            lock.read_text()
+        elif how == "copytree of the folder":
+            shutil.copytree(folder, tmp_path / "backup")
+        else:
+            os.close(os.open(lock, os.O_RDONLY))
+        assert _contend(lock) == f"taken by {os.getpid()}"  # still refused, naming the holder
+        assert hold.held
+    finally:
+        hold.release()
+    assert _contend(lock) == "taken"  # released: free at once

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -209,7 +210,8 @@ def test_a_second_writer_of_the_directory_is_refused_before_anything_changes(tmp
     first.save(epoch=0)
     (path / ".ckpt-000001.pt.abc123.tmp").write_bytes(b"x")  # first's write in flight, no leftover
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-    assert before["run.lock"] == f"{os.getpid()}\n".encode()  # held while the run lives
+    held = f"{os.getpid()}\n{socket.gethostname()}\n".encode()
+    assert before["run.lock"] == held  # held while the run lives
     second = RunDirectory(path, every_updates=1, stop_on=None)  # the same job, started twice
     with pytest.raises(
         SpeedupsError,

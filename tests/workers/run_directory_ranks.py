@@ -26,7 +26,7 @@ first = RunDirectory(path, every_updates=1, stop_on=None)
 first.resume(model=model)
 first.save(epoch=0)
 dist.barrier()
-lock = (path / "run.lock").read_text().strip()
+lock = (path / "run.lock").read_text().split()[0]  # the process id (the host follows)
 second = RunDirectory(path, every_updates=1, stop_on=None)
 try:
     second.resume(model=model)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import socket
+import struct
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,16 +31,22 @@ _BUSY = (errno.EACCES, errno.EAGAIN)  # what a lock held by another process answ
 class PathHold:
     """Hold the lock file ``path`` alone, against other processes and other holders in this process.
 
-    The lock is a POSIX record lock (``fcntl.lockf``), which belongs to the process that took it: the
-    kernel drops it when that process ends, however (SIGKILL, OOM killer), and a child the process forked
-    (a DataLoader worker) never holds it, so a killed run's directory is free at once even while its
-    orphaned workers live. ``flock`` would not do: its lock belongs to the open file, which every forked
-    child shares until it exits. Being per process, the lock does not tell two holders of one process apart
-    (a second lock on the file succeeds, and closing any descriptor of the file would let the lock go):
-    a registry of this process's holders refuses the second one before it opens the file. The file holds
-    the holder's process id, for the message; its descriptor is dropped in forked children
-    (:func:`~speedups._helpers.holds.fork_guard.drop_in_children`). A holder released, collected or alive at
-    interpreter exit removes its lock file; a killed one leaves it behind, unlocked: the next holder takes it.
+    Two locks on two bytes of the file, each covering the other's gap. A POSIX record lock (``fcntl.lockf``,
+    byte 0) belongs to the process that took it: the kernel drops it when that process ends, however
+    (SIGKILL, OOM killer), and a child the process forked (a DataLoader worker) never holds it, so a killed
+    run's directory is free at once even while its orphaned workers live. But it also goes when the process
+    closes *any* descriptor of the file (``shutil.copytree`` of the run folder, a backup, a hash of every
+    file): so the holder also takes an open-file-description lock (Linux ``F_OFD_SETLK``, byte 1), which
+    belongs to its own open file and stays until that is closed. A forked child would share that open file:
+    its descriptor is dropped in every child (:func:`~speedups._helpers.holds.fork_guard.drop_in_children`).
+    A newcomer must get both. Record lock free but the other taken means the holder closed another
+    descriptor (refused while the process named in the file lives on this host) or a dead holder's
+    children kept the open file (a fork outside Python: the file is replaced by a fresh one, under the
+    record lock). Where the system has no such lock (macOS), the record lock alone. Being per process,
+    the record lock does not tell two holders of one process apart: a registry of this process's holders
+    refuses the second one before it opens the file. The file holds the holder's process id and host, for
+    the message and the check above. A holder released, collected or alive at interpreter exit removes
+    its lock file; a killed one leaves it behind, unlocked: the next holder takes it.
 
     Args:
         path: the lock file (made if missing, removed at :meth:`release`); its folder must exist.
@@ -77,7 +85,7 @@ class PathHold:
             file = self._take()
             file.seek(0)
             file.truncate()
-            file.write(f"{os.getpid()}\n")
+            file.write(f"{os.getpid()}\n{socket.gethostname()}\n")
             file.flush()
             drop_in_children(file)
             self._file, self._pid = file, os.getpid()
@@ -97,24 +105,30 @@ class PathHold:
             if fcntl is None:  # pragma: no cover - Windows
                 return file
             try:
-                fcntl.lockf(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
             except OSError as err:
-                file.seek(0)
-                holder = file.read().strip()
+                holder = _holder(file)
                 file.close()  # this process holds no lock on the file: closing it lets nothing go
                 if err.errno in _BUSY:
-                    raise SpeedupsError(self._clash(int(holder) if holder.isdigit() else None)) from None
+                    raise SpeedupsError(self._clash(holder[0])) from None
                 raise SpeedupsError(
                     f"cannot lock {str(self.path)!r} ({type(err).__name__}: {err.strerror}): its file system "
                     f"has no POSIX locks (some network or FUSE mounts). Put the directory on a local disk "
                     f"or one with locks (NFS with lockd)."
                 ) from None
-            try:  # its last holder may have removed the file we opened: lock the file at the path
-                opened, there = os.fstat(file.fileno()), os.stat(self.path)
-                same = (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
-            except FileNotFoundError:
-                same = False
-            if same:
+            if not _own_lock(file):  # the record lock is ours, the open file's lock another's
+                pid, host = _holder(file)
+                if pid is None or _alive_here(pid, host) is not False:
+                    file.close()  # (lets our record lock go)
+                    raise SpeedupsError(self._clash(pid))
+                # A dead holder's children keep its open file (forked outside Python, where the fork guard
+                # cannot drop it): under our record lock, replace the file by a fresh one and take that.
+                with contextlib.suppress(OSError):
+                    if _same_file(file, self.path):
+                        os.unlink(self.path)
+                file.close()
+                continue
+            if _same_file(file, self.path):  # its last holder may have removed the file we opened
                 return file
             file.close()
 
@@ -128,6 +142,59 @@ class PathHold:
         key = os.path.realpath(self.path)
         if _HELD.get(key) is self:
             del _HELD[key]
+
+
+def _same_file(file: IO[str], path: Path) -> bool:
+    """Whether ``path`` still names the file ``file`` has open (not removed, nor replaced)."""
+    try:
+        opened, there = os.fstat(file.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _own_lock(file: IO[str]) -> bool:
+    """Take the open file's lock on byte 1 (Linux ``F_OFD_SETLK``); False when another open file holds it.
+    True where the system has none (the record lock alone)."""
+    command = getattr(fcntl, "F_OFD_SETLK", None)
+    if command is None:  # pragma: no cover - not Linux
+        return True
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 1, 1, 0)  # struct flock: byte 1, pid 0
+    try:
+        fcntl.fcntl(file.fileno(), command, request)
+    except OSError as err:
+        if err.errno in _BUSY:
+            return False
+        if err.errno == errno.EINVAL:  # pragma: no cover - a file system without them: the record lock
+            return True
+        raise
+    return True
+
+
+def _holder(file: IO[str]) -> tuple[int | None, str | None]:
+    """The process id and host a holder wrote in the lock file (None where it does not say)."""
+    file.seek(0)
+    lines = file.read().split()
+    pid = int(lines[0]) if lines and lines[0].isdigit() else None
+    return pid, lines[1] if len(lines) > 1 else None
+
+
+def _alive_here(pid: int, host: str | None) -> bool | None:
+    """Whether process ``pid`` of ``host`` lives: None when it cannot be told (another host, or none said);
+    a zombie (ended, not yet reaped) is dead."""
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _let_go(path: Path, file: IO[str], pid: int) -> None:
