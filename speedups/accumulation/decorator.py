@@ -158,7 +158,7 @@ def accumulate(
             max_grad_norm,
             sync,  # one strategy per step: it holds the window's sync state
             skip_nonfinite,
-            None if micro_batch_size is None else MicroBatcher(micro_batch_size, split, plan),
+            None if micro_batch_size is None else MicroBatcher(micro_batch_size, split, plan, model),
             model=model,
             guard=enabled,  # a plain step on every call (enabled=False) owns no window to guard
             max_grad_value=max_grad_value,

@@ -365,3 +365,78 @@ def test_a_call_failing_after_some_micro_backwards_drops_the_window_not_half_of_
     F.mse_loss(reference(x), y).backward()
     ref_opt.step()
     torch.testing.assert_close(_params(model), _params(reference), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------ a retry after out of memory starts from the state found
+class _Counted(torch.nn.Module):
+    """Counts its calls in a buffer written in place (any buffer a forward writes), and runs out of memory
+    on more rows than ``limit`` allows: after batch norm and dropout have run, as a real forward would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mask", torch.ones(64, 64))  # constant: never copied once learnt
+        self.limit = 1 << 30
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} rows > {self.limit}")
+        return x
+
+
+def _bn_dropout_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), _Counted(), nn.Linear(8, 1))
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters, the buffers, the global RNG state."""
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())] + [torch.get_rng_state()]
+
+
+@pytest.mark.parametrize("model_given", [True, False], ids=["model=", "no model="])
+@pytest.mark.parametrize("first_oom", [0, 3], ids=["first call", "a later call"])
+def test_an_out_of_memory_retry_starts_from_the_buffers_and_random_streams_the_failed_try_found(
+    model_given: bool, first_oom: int
+) -> None:
+    """The failed forward updated BatchNorm's running statistics and ``num_batches_tracked``, a buffer of
+    its own and drew dropout masks: the run must be the hand loop's at the size found (2 rows), bitwise."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)) for _ in range(6)]
+
+    model = _bn_dropout_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counted = model[3]
+    assert isinstance(counted, _Counted)
+    torch.manual_seed(7)
+
+    @accumulate(2, opt, micro_batch_size="auto", model=model if model_given else None)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    for i, (x, y) in enumerate(batches):
+        if i == first_oom:
+            counted.limit = 3  # 8 rows fail, then 4, then 2 rows fit
+        train_step(x, y)
+    assert train_step.micro_batch_size == 2 and train_step.num_updates == 3
+
+    ref = _bn_dropout_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(7)
+    for i, (x, y) in enumerate(batches):  # the hand loop: whole batches, then micro-batches of 2 rows
+        size = 8 if i < first_oom else 2
+        for lo in range(0, 8, size):
+            (F.mse_loss(ref(x[lo : lo + size]), y[lo : lo + size]) * (size / 8) / 2).backward()
+        if i % 2 == 1:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    # the weights to float rounding (the micro-batch weights are applied in another order); the running
+    # statistics, the call counter and the RNG stream bitwise
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=1e-6)
+    skip = len(list(model.parameters()))
+    for a, b in zip(_state(model)[skip:], _state(ref)[skip:], strict=True):
+        assert torch.equal(a, b)
+    watched = train_step._acc().micro.retry._watched
+    assert watched is not None and not any(b is counted.mask for b in watched)  # the constant one is not

@@ -6,8 +6,9 @@ or the user's ``split=``), runs forward and backward once per micro-batch, weigh
 equal one backward of the whole batch's loss (by rows for a bare mean loss, by the returned ``num_items``
 otherwise), and returns the whole batch's detached loss. With ``"auto"`` it starts with the whole batch; on
 out of memory (forward or backward, :func:`speedups._helpers.oom.is_out_of_memory`) it puts the gradients
-back as they were when the call began, frees memory, halves the size and runs the call again. The size found
-is kept.
+back as they were when the call began, and the buffers and RNG streams the failed try changed
+(:mod:`.retry_state`), frees memory, halves the size and runs the call again: the hand loop's call at the
+size found. The size found is kept.
 
 The batcher is a strategy of the accumulator: it reaches the step only through the small
 :class:`MicroBatchHost` interface (parse a result, weigh and run one backward, save and restore the
@@ -35,6 +36,7 @@ from speedups._helpers.oom import is_out_of_memory
 from speedups._helpers.tree import tree_map
 from speedups._helpers.validate import integer_or_auto, short
 from speedups.accumulation.micro_batching.memory_plan import MemoryPlan
+from speedups.accumulation.micro_batching.retry_state import RetryState
 from speedups.accumulation.micro_batching.splitting import Piece, Split, custom_split, split_call
 from speedups.accumulation.output import merge_extras
 from speedups.accumulation.zero_items import Keep
@@ -146,9 +148,15 @@ class MicroBatcher:
     """
 
     def __init__(
-        self, micro_batch_size: int | str, split: Split | None, plan: MemoryPlan | None = None
+        self,
+        micro_batch_size: int | str,
+        split: Split | None,
+        plan: MemoryPlan | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.auto = micro_batch_size == AUTO
+        # what a try changes besides gradients (buffers, RNG streams), put back before a retry
+        self.retry = RetryState(model) if self.auto else None
         self.size: int | None = None if self.auto else int(micro_batch_size)
         self.split = split
         self.backwards = 0  # micro-batch backwards run by the current call
@@ -229,13 +237,17 @@ class MicroBatcher:
         rows, pieces = split
         params = host.trainable() if self.auto else []
         window = host.window_counts()  # undone when a try fails
+        retry = self.retry
         while True:
             saved = _set_aside(params) if self.auto else None
+            state = retry.take() if retry is not None else None
             try:
                 result = self._run(host, wrapped, rows, pieces)
                 break
             except Exception as err:
                 host.restore_counts(window)
+                if retry is not None:
+                    retry.pause()
                 if saved is not None and is_out_of_memory(err) and not host.retry_allowed(self.backwards):
                     _put_back(params, saved)  # what can be put back; the rest is FSDP2's
                     saved = None
@@ -261,10 +273,14 @@ class MicroBatcher:
             # Out of memory: outside the except block, so the traceback (and the graph) can be freed.
             del saved
             _release_memory()
+            if retry is not None and state is not None:
+                retry.put_back(state)  # the retry starts from the buffers and RNG streams the try found
             self.size = (largest + 1) // 2
             rows, pieces = self.pieces(args, kwargs)
         if saved is not None:
             _add_back(params, saved)
+        if retry is not None:
+            retry.done()
         return result
 
     def _run(
