@@ -8,7 +8,7 @@ for-loop steps index logically and are exact either way. So a weight's layout ch
 and to every per-parameter state tensor of its shape too, in place: the same ``Parameter`` and state tensor
 objects (optimizers key their state by the ``Parameter`` and list it in ``param_groups``; ``.data`` is set as
 ``nn.Module.to`` does by default, whatever ``torch.__future__`` says), values exact (a layout change moves
-elements, it computes nothing).
+elements, it computes nothing): :mod:`speedups._helpers.state_strides`, which ``load_checkpoint`` uses too.
 
 The switch that changes the layout is not given the optimizers: they are found by one scan of the live
 objects (``gc``), every ``torch.optim.Optimizer`` that holds one of the weights, at each change.
@@ -20,6 +20,8 @@ import gc
 from collections.abc import Sequence
 
 import torch
+
+from speedups._helpers.state_strides import follow_strides, state_follows_params
 
 __all__ = ["holding_optimizers", "relayout"]
 
@@ -36,14 +38,8 @@ def relayout(weights: Sequence[torch.Tensor], memory_format: torch.memory_format
             if not weight.is_contiguous(memory_format=memory_format):
                 weight.data = weight.contiguous(memory_format=memory_format)
             if weight.grad is not None:
-                _follow(weight.grad, weight)
-    moved = 0
-    for optimizer in holding_optimizers(weights):
-        for weight in weights:
-            state = optimizer.state.get(weight)  # a defaultdict: .get adds no entry
-            if isinstance(state, dict):
-                moved += sum(_follow(value, weight) for value in state.values())
-    return moved
+                follow_strides(weight.grad, weight)
+    return sum(state_follows_params(optimizer, weights) for optimizer in holding_optimizers(weights))
 
 
 def holding_optimizers(tensors: Sequence[torch.Tensor]) -> list[torch.optim.Optimizer]:
@@ -58,16 +54,3 @@ def holding_optimizers(tensors: Sequence[torch.Tensor]) -> list[torch.optim.Opti
             if any(id(p) in wanted for group in groups for p in group.get("params", ())):
                 found.append(obj)
     return found
-
-
-def _follow(tensor: object, weight: torch.Tensor) -> bool:
-    """Give ``tensor`` (a gradient or state value) ``weight``'s strides in place if it is a dense tensor of
-    ``weight``'s shape with other strides; its values, dtype and device stay. Returns whether it changed."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:  # subclasses: left as they are
-        return False
-    if tensor.shape != weight.shape or tensor.stride() == weight.stride():
-        return False
-    moved = torch.empty_strided(tensor.shape, weight.stride(), dtype=tensor.dtype, device=tensor.device)
-    moved.copy_(tensor)
-    tensor.data = moved
-    return True
