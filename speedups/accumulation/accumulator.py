@@ -277,6 +277,7 @@ class Accumulator:
         split = micro.pieces(args, kwargs)  # bad input raises here, before anything changes
         boundary = self.pending + 1 >= self.every
         self.is_boundary = boundary
+        self.sync.split_call_starts(boundary or self.passes.closes)
         token = current_step.set(self)
         try:
             loss, n, out = micro.run(self.host, wrapped, args, kwargs, split)

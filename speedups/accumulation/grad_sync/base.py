@@ -74,6 +74,10 @@ class GradSync:
         """The context one micro-batch of a split call runs in (``last``: the call's last micro-batch)."""
         return NULL_CONTEXT
 
+    def split_call_starts(self, syncs: bool) -> None:
+        """A call split into micro-batches starts, before its first micro-batch (``syncs``: it ends a window
+        or an epoch pass; :meth:`micro_step` is the unsplit call's start); nothing to do here."""
+
     def retry_allowed(self, backwards: int) -> bool:
         """Whether a split call that ran out of memory after ``backwards`` micro-batch backwards may run
         again at a smaller size on this rank alone (its gradients put back as they were)."""

@@ -42,6 +42,7 @@ class DDPSync(DataParallelSync):
         self.used: dict[int, list[bool]] = {}  # id(param) -> [really got a gradient], after a flush
         self.handles: list[Any] = []
         self.stale: list[torch.Tensor] = []  # had a gradient in the flushed window, on this rank
+        self.buffers_due = False  # a flush ended the last window: the next call broadcasts the buffers
 
     def check_window(self, every: int, micro_batches: bool) -> None:
         """Refuse a window over a ``DDP(static_graph=True)`` that has not had its first synchronised backward.
@@ -70,10 +71,40 @@ class DDPSync(DataParallelSync):
         )
 
     def micro_step(self, boundary: bool) -> AbstractContextManager[Any]:
+        self._buffers_if_due()
         return NULL_CONTEXT if boundary and not self.boundary_flushes else self.model.no_sync()
 
     def piece_step(self, boundary: bool, last: bool) -> AbstractContextManager[Any]:
         return self.model.no_sync()  # a split call's boundary reduces once, after its last micro-batch
+
+    def split_call_starts(self, syncs: bool) -> None:
+        self._buffers_if_due()
+
+    def _buffers_if_due(self) -> None:
+        """DDP broadcasts the module's buffers (BatchNorm's running statistics) from rank 0 at the forward
+        that follows a synchronised one (``broadcast_buffers=True``, its default), so that they never drift
+        apart for long. A window that ended in a flush had no synchronised forward: the next call's forward
+        would broadcast nothing, so the buffers are broadcast here, where DDP would have."""
+        if not self.buffers_due:
+            return
+        self.buffers_due = False
+        ddp = self.model
+        if not getattr(ddp, "broadcast_buffers", False):
+            return
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for name, buffer in ddp.module.named_buffers():
+            if name not in ignored:
+                by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for buffers in by_kind.values():
+                flat = torch.cat([b.reshape(-1) for b in buffers])
+                dist.broadcast(flat, source, group=self.group)
+                offset = 0
+                for b in buffers:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
     def _got_grad(self, p: torch.Tensor) -> bool:
         cell = self.used.get(id(p))
@@ -95,6 +126,7 @@ class DDPSync(DataParallelSync):
         are summed, a missing local gradient counting as zeros: one all-reduce per gradient dtype and device.
         """
         self.boundary_flushes = False  # the window is reduced now
+        self.buffers_due = True  # (no synchronised forward ended it: see _buffers_if_due)
         params = _trainable(params)
         device = params[0].device if params else torch.device("cpu")
         got = [self._got_grad(p) for p in params]
