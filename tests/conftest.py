@@ -51,3 +51,15 @@ def _no_leaked_global_state():
         leaked.append("grad mode")
     if leaked:
         pytest.fail("test leaked " + "; ".join(leaked))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches reset after the test, and the variables inductor sets for itself once per
+    process at its first use dropped (the leak check above would blame the test that happened to be first)."""
+    before = set(os.environ)
+    yield
+    torch.compiler.reset()
+    for key in set(os.environ) - before:
+        if key.startswith("_TORCHINDUCTOR_"):
+            del os.environ[key]

@@ -6,7 +6,6 @@ backend="eager" (dynamo traces, nothing is lowered) must be bitwise eager; induc
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -24,15 +23,7 @@ from speedups import (
 from speedups.kernels.compiling import compiled_blocks
 from tests._models import Blocks
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    before = set(os.environ)
-    yield
-    torch.compiler.reset()
-    for key in set(os.environ) - before:
-        if key.startswith("_TORCHINDUCTOR_"):  # inductor's own, set once per process at its first use
-            del os.environ[key]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _data(calls: int = 6, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
