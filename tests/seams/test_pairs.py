@@ -9,11 +9,13 @@ global RNG state exactly. The table is ``levers.py``; the docs' development page
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests._dist import WORKERS, run_torchrun
-from tests.seams.levers import LEVERS, Lever, pairs, recipe_of
+from tests.seams.levers import EXCLUDED, LEVERS, Lever, pairs, recipe_of
 from tests.seams.loops import differences, run_reference, run_speedups
 
 
@@ -56,3 +58,20 @@ def test_each_lever_beside_ddp_on_two_gloo_ranks_trains_as_the_hand_written_loop
     assert [line[1] for line in lines] == expected, out.stdout
     wrong = [" ".join(line[1:]) for line in lines if line[2] != "ok"]
     assert not wrong, wrong
+
+
+def test_the_development_page_names_every_lever_of_the_matrix() -> None:
+    """docs/development.md's table lists the levers of levers.py, with their tolerance, slowness and DDP."""
+    page = (Path(__file__).parents[2] / "docs" / "development.md").read_text()
+    section = page.split("## The seam matrix", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.split("|")[1:-1] for line in lines]
+    listed = {cells[0].strip(): [c.strip() for c in cells[3:]] for cells in rows[1:]}
+    listed = {name: [float(cells[0]), *cells[1:]] for name, cells in listed.items()}
+    expected = {
+        lever.name: [lever.tolerance, "yes" if lever.slow else "", "yes" if lever.ddp else ""]
+        for lever in LEVERS
+    }
+    assert listed == expected
+    for names in EXCLUDED:  # each pair left out is named in the text
+        assert all(name in section for name in names)
