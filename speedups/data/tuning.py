@@ -9,15 +9,20 @@ compute threads (``torch.set_num_threads``), which otherwise fight for the same 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 import time
+import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset
 
 from speedups._helpers import validate
@@ -38,7 +43,7 @@ from speedups.data.timing import (
 )
 from speedups.data.workers import check_worker_init_fn, start_method, unpicklable_for_workers
 from speedups.device import default_device
-from speedups.errors import SpeedupsWarning
+from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["LoaderReport", "tune_loader"]
 
@@ -129,8 +134,9 @@ def _check_tune_args(
         check_worker_init_fn(loader.worker_init_fn, "loader.worker_init_fn")  # any worker count may be timed
         if step is not None and not callable(step):
             raise TypeError(
-                f"step={short(step)}: expected a function of one batch (the training step), or None to time "
-                f"loading alone. Pass e.g. step=lambda batch: train_step(*batch)."
+                f"step={short(step)}: expected a function of one batch (the step's work without its update), "
+                f"or None to time loading alone. Pass e.g. step=lambda batch: loss_fn(probe(batch[0]), "
+                f"batch[1]).backward(), with probe = copy.deepcopy(model)."
             )
         validate.real(max_seconds, "max_seconds", positive=True, example="20 (seconds)")
         if num_threads != "auto":
@@ -190,6 +196,156 @@ def _progress(total: int, enabled: bool) -> Any:
     return None
 
 
+# What the message of a refused step says to do instead: the step's work, without its update, on a copy.
+_PROBE_FIX = (
+    "Time the model's work on a copy, without the update: probe = copy.deepcopy(model); "
+    "tune_loader(loader, step=lambda batch: loss_fn(probe(batch[0]), batch[1]).backward())"
+)
+_ALLOWED = "The step given to tune_loader may run forward and backward, not an optimizer step"
+
+
+def _accumulate_step_of(obj: object) -> object | None:
+    """The ``@accumulate`` step ``obj`` is, or wraps (``__wrapped__``: ``mixed_precision``,
+    ``functools.wraps``; ``functools.partial``), or None. Known by its public API (the data layer does not
+    import the accumulation layer): a class with the ``num_updates`` property, ``discard()`` and
+    ``on_update()``."""
+    for _ in range(16):
+        kind = type(obj)
+        if (
+            isinstance(getattr(kind, "num_updates", None), property)
+            and callable(getattr(kind, "discard", None))
+            and callable(getattr(kind, "on_update", None))
+        ):
+            return obj
+        inner = obj.func if isinstance(obj, functools.partial) else getattr(obj, "__wrapped__", None)
+        if inner is None or inner is obj:
+            return None
+        obj = inner
+    return None
+
+
+def _names_used(code: types.CodeType) -> Iterator[str]:
+    """The global and attribute names ``code`` and the functions defined in it refer to."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names_used(const)
+
+
+def _accumulate_step_in(step: object) -> str | None:
+    """How ``step`` reaches an ``@accumulate`` step before it runs: it is one (or wraps one), or it is a
+    function that calls one by a global name or from its closure (``lambda batch: train_step(*batch)``).
+    Returns the words for the message, or None."""
+    found = _accumulate_step_of(step)
+    if found is not None:
+        return (
+            f"{_name(step)} is an @accumulate step"
+            if found is step
+            else f"it wraps {_name(found)}, an @accumulate step"
+        )
+    fn = step.func if isinstance(step, functools.partial) else step
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    if not isinstance(fn, types.FunctionType):
+        return None
+    used = [(name, fn.__globals__.get(name)) for name in dict.fromkeys(_names_used(fn.__code__))]
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            used.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
+    for name, obj in used:
+        if obj is not None and _accumulate_step_of(obj) is not None:
+            return f"it calls {name}, an @accumulate step"
+    return None
+
+
+def _name(fn: object) -> str:
+    """How a message names a step: its ``__name__``, a partial by its function."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_name(fn.func)}, ...)"
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else short(fn)
+
+
+def _refuse_accumulate_step(step: object, said: str) -> None:
+    """Refuse, before anything runs, a step that is or calls an ``@accumulate`` step.
+
+    Raises:
+        SpeedupsError: it is one; nothing has run.
+    """
+    how = _accumulate_step_in(step)
+    if how is not None:
+        raise SpeedupsError(
+            f"{said}: {how}: run on every timed batch (thousands), it would train the model and move its "
+            f"counters, window and scheduler before training starts; nothing was run. {_ALLOWED}. "
+            f"{_PROBE_FIX}."
+        )
+
+
+class _NoUpdates:
+    """The step as ``tune_loader`` calls it: an optimizer step inside it is refused before it changes a thing.
+
+    While tuning, one global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, removed
+    after) raises :class:`~speedups.SpeedupsError` when a ``torch.optim.Optimizer`` steps inside a
+    call of the step in this thread: the weights and the optimizer's state are as they were. A step that
+    catches the error and goes on is refused when it returns.
+    """
+
+    def __init__(self, step: Callable[[Any], object], said: str) -> None:
+        self.step, self.said = step, said
+        self.calls = 0
+        self.thread: int | None = None  # the thread inside a call of the step, None between calls
+        self.refused = ""
+
+    def __call__(self, batch: Any) -> object:
+        self.calls += 1
+        self.thread = threading.get_ident()
+        try:
+            out = self.step(batch)
+        finally:
+            self.thread = None
+        if self.refused:  # the step caught the refusal and went on: the optimizer still did not step
+            raise SpeedupsError(self.refused)
+        return out
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.thread is None or self.thread != threading.get_ident():
+            return  # not inside the step (another thread's optimizer, or after tuning)
+        self.refused = (
+            f"{self.said}: the step called {type(optimizer).__name__}.step() on timed batch {self.calls}: "
+            f"run on every timed batch (thousands), it would train the model before training starts; refused "
+            f"before that optimizer changed anything (the weights and its state are as they were, the "
+            f"gradients the step's backward left are still there). {_ALLOWED}. {_PROBE_FIX}."
+        )
+        raise SpeedupsError(self.refused)
+
+
+@contextmanager
+def _closing(bar: Any) -> Iterator[None]:
+    """Close the progress bar (None: none) when the block ends, whatever ends it."""
+    try:
+        yield
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@contextmanager
+def _updates_refused(
+    step: Callable[[Any], object] | None, said: str
+) -> Iterator[Callable[[Any], object] | None]:
+    """``step`` wrapped in :class:`_NoUpdates`, with its optimizer step pre-hook registered for the block."""
+    if step is None:
+        yield None
+        return
+    guarded = _NoUpdates(step, said)
+    handle = register_optimizer_step_pre_hook(guarded.before_optimizer_step)
+    try:
+        yield guarded
+    finally:
+        handle.remove()
+
+
 def tune_loader(
     loader: DataLoader[Any],
     *,
@@ -209,7 +365,10 @@ def tune_loader(
     does), so pinning is judged by what it saves on the copy. A setting within 5% of the fastest is a tie,
     won by fewer workers, then by the loader's own ``pin_memory``. Without ``step`` only loading is timed;
     with it each batch also goes through the training step here, so workers compete with the step for the
-    cores, as in training. The step runs for real: give it copies of the model and optimizer.
+    cores, as in training. The step must not train, since it runs on thousands of batches: one that is or
+    calls an ``@accumulate`` step is refused before anything runs, and an optimizer step inside it (any
+    ``torch.optim.Optimizer``, seen by a global step pre-hook while tuning) is refused when it comes, before
+    that optimizer changes anything. Give it the step's work without the update, on a copy of the model.
 
     Compute threads (``num_threads="auto"`` with a ``step``): the CPUs this process may use are split
     between loading and compute. First the step runs at the plan's fewest workers ``w`` with
@@ -239,8 +398,9 @@ def tune_loader(
         candidates: settings to time instead of the grid, e.g.
             ``[{"num_workers": 0}, {"num_workers": 4, "prefetch_factor": 4, "pin_memory": True}]``.
         progress: show a tqdm bar when tuning takes more than a second (needs tqdm).
-        step: the training step, called as ``step(batch)`` on every timed batch (after the copy to the GPU
-            with CUDA); None times loading alone.
+        step: the training step's work without its update (forward and backward on a copy of the model),
+            called as ``step(batch)`` on every timed batch (after the copy to the GPU with CUDA); None times
+            loading alone.
         num_threads: torch's compute threads in this process: ``"auto"`` (timed with ``step``; without one,
             left alone), an int >= 1 (used for every trial, and set), or None (left alone).
 
@@ -253,6 +413,9 @@ def tune_loader(
         TypeError: ``loader`` is not a plain DataLoader (a subclass such as ``distributed()``'s would lose
             its behaviour: tune first, then wrap), or an argument has the wrong type.
         ValueError: ``max_seconds`` not > 0 and finite, ``num_threads`` < 1, or a malformed candidate.
+        SpeedupsError: ``step`` is, wraps or calls by name an ``@accumulate`` step (nothing has run), or it
+            stepped an optimizer (refused before that optimizer changed anything; the gradients its backward
+            left stay).
 
     Example:
         >>> loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
@@ -263,6 +426,8 @@ def tune_loader(
         0
     """
     explicit = _check_tune_args(loader, max_seconds, candidates, progress, step, num_threads)
+    said = f"tune_loader(step={_name(step)})"
+    _refuse_accumulate_step(step, said)  # before anything runs
     began = time.perf_counter()
     deadline = began + float(max_seconds)
     method = start_method(loader.multiprocessing_context)
@@ -355,7 +520,11 @@ def tune_loader(
     runs = rounds * (len(plan) + loader_phases + (len(threads_stage) if tune_threads else 0))
     bar = _progress(runs, progress)
     measured: dict[Setting, LoaderTrial] = {}
-    with preserved_rng(loader.generator, *sampler_generators(loader)):
+    with (
+        preserved_rng(loader.generator, *sampler_generators(loader)),
+        _updates_refused(step, said) as timed_step,  # an optimizer step inside the step: refused
+        _closing(bar),
+    ):
         sampling = timing_sampling(loader)
         queue = threads_stage * rounds if tune_threads else plan * rounds
         i = done = 0
@@ -377,7 +546,7 @@ def tune_loader(
                 share,
                 timing_generator,
                 device=copy_to,
-                step=step,
+                step=timed_step,
                 num_threads=threads,
             )
             done += 1
@@ -401,8 +570,6 @@ def tune_loader(
                     extra.append((w, not pin, prefetch, threads))
                 extra = [e for e in extra if e not in measured]
             queue += extra * rounds
-        if bar is not None:
-            bar.close()
     report.trials = list(measured.values())
 
     chosen, reason = _choose(report.trials, keep_pin=bool(loader.pin_memory))

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import random
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-from speedups import LoaderReport, SpeedupsWarning, fast_loader, tune_loader
+from speedups import (
+    LoaderReport,
+    SpeedupsError,
+    SpeedupsWarning,
+    accumulate,
+    fast_loader,
+    mixed_precision,
+    tune_loader,
+)
 from tests._bench import run_quick
 from tests._loading_data import Costly, Squares, Stream, record_init
 
@@ -513,3 +525,165 @@ def test_a_real_trial_runs_the_step_with_the_threads_asked_and_puts_them_back(th
 def test_bad_num_threads_is_refused_before_anything_runs(value, error, match) -> None:
     with pytest.raises(error, match=match):
         tune_loader(DataLoader(list(range(4))), num_threads=value)
+
+
+# ---------------------------------------------------------------- tune_loader(step=): the step must not train
+def _regression() -> tuple[torch.nn.Module, DataLoader]:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    return torch.nn.Linear(8, 1), DataLoader(data, batch_size=8)
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list, dict]:
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for i, s in enumerate(opt.state.values())}  # fmt: skip
+    return weights, state
+
+
+def _assert_unchanged(model: torch.nn.Module, opt: torch.optim.Optimizer, before: tuple[list, dict]) -> None:
+    weights, state = before
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert len(opt.state) == len(state)
+    for i, now in enumerate(opt.state.values()):
+        assert now.keys() == state[i].keys()
+        for key, value in now.items():
+            same = (
+                torch.equal(value, state[i][key])
+                if isinstance(value, torch.Tensor)
+                else value == state[i][key]
+            )
+            assert same, key
+
+
+def _plain_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+_FIX = (
+    r"The step given to tune_loader may run forward and backward, not an optimizer step\. Time the model's "
+    r"work on a copy, without the update: probe = copy\.deepcopy\(model\); tune_loader\(loader, "
+    r"step=lambda batch: loss_fn\(probe\(batch\[0\]\), batch\[1\]\)\.backward\(\)\)\.$"
+)
+_REFUSED_STEP = r"^tune_loader\(step=[^:]+\): {how} an @accumulate step: .*; nothing was run\. " + _FIX
+_FORMS = ["the step", "under mixed_precision", "a lambda calling it", "a closure calling it", "a partial"]
+
+
+@pytest.mark.parametrize("form", _FORMS)
+def test_an_accumulate_step_is_refused_before_anything_runs(form: str) -> None:
+    """nc13: tune_loader(step=train_step) with the @accumulate step took 7,573 optimizer steps on the real
+    model in 2 s, silently. Refused, with the fix, before one call: weights, optimizer state, the step's
+    counters and the user's function untouched."""
+    model, loader = _regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _plain_steps(model, opt, list(loader)[:2])  # momentum buffers exist
+    before = _snapshot(model, opt)
+    calls: list[int] = []
+
+    @accumulate(1, opt)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.mse_loss(model(x), y)
+
+    def closure_step(batch: list) -> object:
+        return train_step(*batch)
+
+    step = {
+        "the step": train_step,
+        "under mixed_precision": mixed_precision("bf16", device_type="cpu")(train_step),
+        "a lambda calling it": lambda batch: train_step(*batch),
+        "a closure calling it": closure_step,
+        "a partial": functools.partial(train_step),
+    }[form]
+    how = {
+        "the step": "train_step is",
+        "under mixed_precision": "it wraps train_step,",
+        "a partial": "it wraps train_step,",
+    }.get(form, "it calls train_step,")
+    with pytest.raises(SpeedupsError, match=_REFUSED_STEP.format(how=how)):
+        tune_loader(loader, step=step, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
+    assert calls == [] and train_step.step == 0 and train_step.num_updates == 0
+    _assert_unchanged(model, opt, before)
+
+
+_UPDATING = [
+    ("SGD", {"momentum": 0.9}),
+    ("Adam", {"fused": True}),
+    ("AdamW", {"foreach": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), _UPDATING, ids=[f"{n}-{o}" for n, o in _UPDATING])
+@pytest.mark.parametrize("catches", [False, True], ids=["raises", "step catches the error"])
+def test_a_step_that_steps_an_optimizer_is_refused_before_the_optimizer_changes_anything(
+    name: str, options: dict, catches: bool
+) -> None:
+    """Any step that steps a torch.optim.Optimizer is stopped at its first optimizer step, before it: the
+    weights and the optimizer state are bitwise as before, and the run then continues as the plain loop
+    that never called tune_loader (the hook is gone). A step that swallows the error is refused when it
+    returns."""
+    model, loader = _regression()
+    batches = list(loader)
+    reference = copy.deepcopy(model)
+    opt = getattr(torch.optim, name)(model.parameters(), lr=0.01, **options)
+    ref_opt = getattr(torch.optim, name)(reference.parameters(), lr=0.01, **options)
+    _plain_steps(model, opt, batches[:2])
+    _plain_steps(reference, ref_opt, batches[:2])
+    before = _snapshot(model, opt)
+    calls: list[int] = []
+
+    def step(batch: list) -> None:
+        calls.append(1)
+        opt.zero_grad()
+        F.mse_loss(model(batch[0]), batch[1]).backward()
+        try:
+            opt.step()
+        except SpeedupsError:
+            if not catches:
+                raise
+
+    refused = (
+        rf"^tune_loader\(step=step\): the step called {name}\.step\(\) on timed batch 1: .*; refused before "
+        r"that optimizer changed anything \(the weights and its state are as they were, .*\)\. " + _FIX
+    )
+    with pytest.raises(SpeedupsError, match=refused):
+        tune_loader(loader, step=step, max_seconds=1, candidates=[{"num_workers": 0}], progress=False)
+    assert calls == [1]  # stopped at the first call
+    _assert_unchanged(model, opt, before)
+    _plain_steps(model, opt, batches[2:5])  # the optimizer steps again outside tune_loader
+    _plain_steps(reference, ref_opt, batches[2:5])
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_step_without_an_update_is_timed_and_other_threads_optimizers_are_left_alone() -> None:
+    """What the message asks for runs: forward and backward on a copy, the real model as it was. An optimizer
+    stepping in another thread while tune_loader runs is not the step's and is not refused."""
+    model, loader = _regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model, opt)
+    probe = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def work(batch: list) -> None:
+        calls.append(1)
+        F.mse_loss(probe(batch[0]), batch[1]).backward()
+        if len(calls) == 1:  # another thread's training, during the timing
+            other = torch.nn.Linear(2, 1)
+            other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+            other(torch.ones(1, 2)).sum().backward()
+            w = other.weight.detach().clone()
+            thread = threading.Thread(target=other_opt.step)
+            thread.start()
+            thread.join()
+            assert not torch.equal(other.weight, w)
+
+    only_zero = [{"num_workers": 0}]
+    _, report = tune_loader(
+        loader, step=work, candidates=only_zero, max_seconds=0.2, progress=False, num_threads=None
+    )
+    assert calls and report.trials[0].batches > 0
+    _assert_unchanged(model, opt, before)
