@@ -1,4 +1,6 @@
-"""tune_loader: the same batches in the same order, the RNG streams untouched, a report that says why."""
+"""tune_loader: the same batches in the same order, the RNG streams untouched, a report that says why, and a
+step that would train refused. Every tune_loader here reads a clock that counts batches (:class:`_Clock`):
+a budget is work, and no test depends on the machine's speed."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import math
 import os
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -26,10 +27,39 @@ from speedups import (
     tune_loader,
 )
 from tests._bench import run_quick
-from tests._loading_data import Costly, Squares, Stream, record_init
+from tests._loading_data import Squares, Stream, record_init
 
 FORK = "fork" in torch.multiprocessing.get_all_start_methods()
 needs_fork = pytest.mark.skipif(not FORK, reason="needs the fork start method (fast workers)")
+
+
+class _Clock:
+    """tune_loader's clock in these tests: 0.05 s more at each read (a timed batch reads it twice: 0.1 s),
+    plus what the test charges with :meth:`charge` in this process (a forked worker charges its own copy,
+    which the loop never reads: loading in workers overlaps the step). A budget is then a number of batches,
+    whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.05
+        return self.now
+
+    def charge(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def counting_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    """:class:`_Clock` for speedups.data.tuning and speedups.data.timing (the only clock they read), in
+    every test of this file: each tune_loader here times a number of batches, never a span of wall time."""
+    from speedups.data import timing, tuning
+
+    clock = _Clock()
+    monkeypatch.setattr(tuning, "time", clock)
+    monkeypatch.setattr(timing, "time", clock)
+    return clock
 
 
 # ------------------------------------------------------------------------------------------ A6 and pickling
@@ -173,7 +203,9 @@ def test_report_prints_a_table_with_the_choice_and_why() -> None:
     text = str(report)
     assert "num_workers" in text and "batches/s" in text and "<- chosen" in text
     assert "why: the only setting timed." in text
-    assert report.trials[0].batches_per_s > 0 and report.seconds < 5
+    # 0.1 s a batch on the test's clock: 10 batches, the rate over the later two thirds of them
+    assert report.trials[0].batches_per_s == pytest.approx(10.0) and 1 <= report.seconds <= 1.3
+    assert f"1 setting(s) timed in {report.seconds:.1f} s" in text
 
 
 def test_choice_prefers_fewer_workers_within_five_percent() -> None:
@@ -200,11 +232,25 @@ def test_progress_bar_appears_only_after_a_second() -> None:
 
 
 def test_default_grid_stays_within_max_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the test's clock (0.1 s a batch): the budget is kept to the batch, worker start-up aside."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # grid: 0 and 1 worker
     loader = DataLoader(Squares(64), batch_size=8)
     _, report = tune_loader(loader, max_seconds=2, progress=False)
     assert {t.num_workers for t in report.trials} <= {0, 1}
-    assert report.seconds < 2 + 1.5  # one started trial may run over by its start-up
+    assert report.seconds <= 2 + 0.5  # a trial started before the deadline ends at its share or 4 batches
+
+
+def test_a_trial_past_the_budget_is_the_last_and_the_report_says_what_was_not_timed(
+    counting_clock: _Clock,
+) -> None:
+    """Batches that cost 1 s each (on the test's clock) and a 2 s budget: a trial reads at least 4 batches
+    (a warm-up and 3 timed), so the first runs over, and the second setting is never started."""
+    loader = DataLoader(_ChargedItems(counting_clock, 1.0), batch_size=1)
+    candidates = [{"num_workers": 0}, {"num_workers": 1}]
+    _, report = tune_loader(loader, max_seconds=2, candidates=candidates, progress=False)
+    assert [t.num_workers for t in report.trials] == [0]
+    assert "the time budget ran out before 1 setting(s) could be timed" in report.reason
+    assert 4 <= report.seconds <= 5
 
 
 def test_iterable_dataset_keeps_its_workers_and_says_so() -> None:
@@ -279,16 +325,17 @@ def test_tune_loader_checks_its_progress_flag() -> None:
 
 # ------------------------------------------------------------------------------- pinning, with the GPU copy
 @pytest.fixture
-def gpu_copies(monkeypatch):
+def gpu_copies(monkeypatch, counting_clock: _Clock):
     """CUDA stood in: each batch's copy to the GPU costs what it would (a blocking copy from pageable memory,
-    nothing on the host from pinned memory: 4 ms against none per batch). Returns each copy's pinned flag."""
+    nothing on the host from pinned memory: 0.04 s against none per 0.1 s batch, on the test's clock).
+    Returns each copy's pinned flag."""
     from speedups.data import timing, tuning
 
     copies: list[bool] = []
 
     def copy_batch(batch, device, pinned: bool):
         copies.append(pinned)
-        time.sleep(0.0 if pinned else 0.004)
+        counting_clock.charge(0.0 if pinned else 0.04)
         return batch
 
     monkeypatch.setattr(tuning, "_copy_target", lambda: torch.device("meta"))
@@ -323,15 +370,6 @@ BOTH = [{"num_workers": 0}, {"num_workers": 2}]
 
 
 @pytest.fixture
-def every_core():
-    """Intra-op threads on every core, as a CPU training step has them; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, len(os.sched_getaffinity(0))))
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def one_thread():
     """One intra-op thread; restored after."""
     before = torch.get_num_threads()
@@ -353,13 +391,12 @@ def _step(matmuls: int, seen: list):
 
 
 @needs_fork
-@pytest.mark.slow
 def test_the_step_runs_on_every_timed_batch_of_every_setting(one_thread) -> None:
     """Which setting wins where loading is cheap is the machine's answer (a loaded machine flipped it: 245
     batches/s with 2 workers against 149 without); what is ours is that every setting is timed with the
-    step on the loop's batches. The choice's logic: the fake-clock tests. One compute thread: a step on
-    every core beside the other test process spun its threads (5 batches/s) until the budget ran out
-    before the second setting (2 failures in 3 full runs)."""
+    step on the loop's batches. The choice's logic: the fake-clock tests. The clock counts its reads, so
+    the 6 s budget is about 60 batches however slow the machine (on the wall clock, a loaded machine spent
+    20 s on the first setting and the test failed)."""
     seen: list = []
     cheap = DataLoader(TensorDataset(torch.arange(80_000.0).reshape(-1, 4)), batch_size=8)
     _, report = tune_loader(
@@ -368,17 +405,37 @@ def test_the_step_runs_on_every_timed_batch_of_every_setting(one_thread) -> None
     assert {t.num_workers for t in report.trials if t.batches > 0} == {0, 2}, str(report)
     assert report.measured == "loading with the training step"
     assert "measured: loading with the training step" in str(report)
-    assert seen and all(len(b) == 1 and b[0].shape == (8, 4) for b in seen)  # the loop's batches
+    assert 4 * 4 <= len(seen) <= 6 / 0.1 + 4 * 6  # 4 trials of >= 4 batches; the budget and 4 warm-ups
+    assert all(len(b) == 1 and b[0].shape == (8, 4) for b in seen)  # the loop's batches
+
+
+class _ChargedItems(torch.utils.data.Dataset):
+    """Items that cost ``seconds`` each on the test's clock of the process that loads them: in the loop's
+    process with 0 workers, in a worker's copy of the clock (overlapping the step) with workers."""
+
+    def __init__(self, clock: _Clock, seconds: float, n: int = 100_000) -> None:
+        self.clock, self.seconds, self.n = clock, seconds, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.clock.charge(self.seconds)
+        return torch.full((4,), float(i))
 
 
 @needs_fork
-@pytest.mark.slow
-def test_where_loading_dominates_the_step_two_workers_are_chosen(every_core) -> None:
-    slow_items = DataLoader(Costly(1.0), batch_size=8)  # 8 ms per batch, waiting on I/O
+def test_where_loading_dominates_the_step_two_workers_are_chosen(counting_clock: _Clock) -> None:
+    """Batches that cost 0.08 s to load in the loop's process beside a 0.1 s step: with workers the loading
+    overlaps the step (0.1 s a batch against 0.18 s), so 2 workers win by the rates measured, on a clock that
+    counts the work, not the machine's speed."""
+    slow_items = DataLoader(_ChargedItems(counting_clock, 0.01), batch_size=8)
     _, report = tune_loader(
         slow_items, candidates=BOTH, step=_step(1, []), max_seconds=3, progress=False, num_threads=None
     )
     assert report.chosen["num_workers"] == 2, str(report)
+    rates = {t.num_workers: t.batches_per_s for t in report.trials}
+    assert rates[0] == pytest.approx(1 / 0.18) and rates[2] == pytest.approx(1 / 0.1), str(report)
     assert report.measured == "loading with the training step"
     _, alone = tune_loader(DataLoader(list(range(8))), candidates=BOTH[:1], max_seconds=1, progress=False)
     assert alone.measured == "loading alone" and "measured: loading alone" in str(alone)
@@ -396,8 +453,9 @@ def threads_kept():
 def _fake_timing(
     monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[int, int], float]
 ) -> list[tuple[int, int]]:
-    """Replace the clock: each (num_workers, num_threads) trial gets the rate of ``rates``; returns the
-    trials run, in order. No timing in these tests: only the choice's logic."""
+    """Replace the timing: each (num_workers, num_threads) trial gets the rate of ``rates``; returns the
+    trials run, in order. No timing in these tests: only the choice's logic (the budget is read on
+    :class:`_Clock`, 0.05 s a read: no deadline is reached, however slow the machine)."""
     from speedups.data import tuning
     from speedups.data.timing import LoaderTrial
 
