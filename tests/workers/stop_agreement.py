@@ -1,19 +1,24 @@
 """Worker: 2 ranks call StopOnSignal.requested() once per 2 ms "micro-step"; rank 1 sends itself SIGUSR1 at
 call 200 (rank 0 gets nothing). Each rank prints the call at which it stopped, the agreement rounds it ran
-(all-reduces on the agreement's own group, counted) and the signal it received."""
+(all-reduces on the agreement's own group, counted) and the signal it received. The agreement's clock is
+the calls' count (2 ms each): the interval it sets (0.2 s of calls) is work, whatever the machine's speed."""
 
+import itertools
 import os
 import signal
 import sys
-import time
+import types
 
 import torch
 import torch.distributed as dist
 
 from speedups import StopOnSignal, destroy_distributed, init_distributed, rank
+from speedups._helpers import agreement
 from tests._dist import say
 
 torch.set_num_threads(1)
+_reads = itertools.count(1)
+agreement.time = types.SimpleNamespace(monotonic=lambda: 0.002 * next(_reads))  # one read per call: 2 ms
 init_distributed()
 stop = StopOnSignal()
 real_all_reduce = dist.all_reduce
@@ -29,7 +34,6 @@ def counting_all_reduce(tensor, *args, **kwargs):
 dist.all_reduce = counting_all_reduce
 stopped_at = None
 for call in range(5000):
-    time.sleep(0.002)  # a micro-step
     if call == 200 and rank() == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
     if stop.requested():
