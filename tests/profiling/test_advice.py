@@ -21,7 +21,7 @@ from speedups.profiling.advice import (
     Summary,
     advise,
 )
-from tests._profiling_loops import SlowDataset, busy_step
+from tests._profiling_loops import SlowDataset, WorkClock, busy_step
 
 
 @pytest.fixture
@@ -34,12 +34,21 @@ def rules_fired(prof) -> set[str]:
     return {a.rule for a in prof.advice()}
 
 
-def test_data_bound_and_num_workers_rules_fire_on_a_slow_loader(model, monkeypatch) -> None:
+@pytest.fixture
+def work_clock(monkeypatch) -> WorkClock:
+    """The profiler's clock moves by the work charged to it only: the rules see the times the test says."""
+    clock = WorkClock()
+    monkeypatch.setattr(profiler, "time", clock)
+    return clock
+
+
+def test_data_bound_and_num_workers_rules_fire_on_a_slow_loader(model, monkeypatch, work_clock) -> None:
     monkeypatch.setattr(profiler, "usable_cpus", lambda: 4)
-    loader = DataLoader(SlowDataset(40, 0.002), batch_size=4, num_workers=0)  # ~8 ms of data per step
+    loader = DataLoader(SlowDataset(40, 0.002, work_clock), batch_size=4, num_workers=0)  # 8 ms data a step
     with profile_steps() as prof:
         for x, _ in prof.iter(loader):
-            busy_step(model, x, ms=1)
+            busy_step(model, x, ms=1, clock=work_clock)
+    assert prof.summary().data_fraction == pytest.approx(8 / 9)
     fired = rules_fired(prof)
     assert {"data-bound", "num-workers-0"} <= fired
     assert prof.advice()[0].rule == "data-bound"  # most valuable first
@@ -47,13 +56,15 @@ def test_data_bound_and_num_workers_rules_fire_on_a_slow_loader(model, monkeypat
     assert "waits for data" in text and "fast_loader" in text and "tune_loader" in text
 
 
-def test_clean_loop_gets_no_advice(model, monkeypatch) -> None:
+def test_clean_loop_gets_no_advice(model, monkeypatch, work_clock) -> None:
+    """A batch from a list costs no time, a step 3 ms: no wait for data (on the wall clock, a moment of
+    another process's work during one fetch made it look data-bound on a loaded machine)."""
     monkeypatch.setattr(profiler, "usable_cpus", lambda: 4)
     batches = [torch.randn(16, 8) for _ in range(20)]
     tracker = LossTracker()
     with profile_steps(sample_every=5) as prof:
         for x in prof.iter(batches):
-            tracker.update(busy_step(model, x, ms=3))
+            tracker.update(busy_step(model, x, ms=3, clock=work_clock))
     assert prof.advice() == []
     assert "No tip applies" in str(prof.report())
 
