@@ -7,6 +7,8 @@ DDP object (for ``no_sync``), the plain module (for sharding, checks) or plain c
 
 from __future__ import annotations
 
+import gc
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from speedups._helpers import compat
 
-__all__ = ["PREFIXES", "find_ddp", "layers", "strip_prefixes", "unwrap"]
+__all__ = ["PREFIXES", "find_ddp", "layers", "live_wrapper_of", "strip_prefixes", "unwrap"]
 
 # The key prefixes wrappers add to a state_dict: DDP and DataParallel's ``module.``, compile's ``_orig_mod.``.
 PREFIXES = ("module.", "_orig_mod.")
@@ -45,6 +47,18 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
         if isinstance(layer, DistributedDataParallel):
             return layer
     return None
+
+
+def live_wrapper_of(
+    ids: set[int], kinds: tuple[type[nn.Module], ...] = (DistributedDataParallel, DataParallel)
+) -> nn.Module | None:
+    """A live wrapper of one of ``kinds`` around a parameter whose ``id`` is in ``ids``, or None: for a
+    check made once, off the hot path (one scan of the objects ``gc`` tracks).
+    """
+    with warnings.catch_warnings():  # isinstance on some of torch's objects warns of deprecations
+        warnings.simplefilter("ignore")
+        found = [o for o in gc.get_objects() if isinstance(o, kinds)]
+    return next((w for w in found if any(id(p) in ids for p in w.parameters())), None)
 
 
 def strip_prefixes(state_dict: Mapping[str, Any], expected: Iterable[str] | None = None) -> dict[str, Any]:

@@ -20,9 +20,11 @@ import weakref
 from typing import Any, Protocol
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from speedups._helpers.callers import user_stacklevel
 from speedups._helpers.compat import grad_version
+from speedups._helpers.wrappers import live_wrapper_of
 from speedups.accumulation.grad_sync import GradSync, SyncKind
 from speedups.accumulation.ownership import OWNERSHIP
 from speedups.accumulation.parameters import StepParameters
@@ -327,7 +329,8 @@ class Guard:
         """Warn once: the open window's gradients changed outside the step's own backward."""
         self.note()
         owner = self.owner
-        ddp = _ddp_not_given(self.params.ids()) if self.sync.kind is SyncKind.SINGLE else None
+        single = self.sync.kind is SyncKind.SINGLE
+        ddp = live_wrapper_of(self.params.ids(), (DistributedDataParallel,)) if single else None
         if ddp is not None:  # DDP's own all-reduce rewrote the gradients: no backward of the user's
             self._warn_once(
                 "ddp not given",
@@ -415,16 +418,3 @@ def _on_optimizer_step(owner: weakref.ref[Guard], optimizer: Any, args: Any, kwa
     guard = owner()
     if guard is not None:
         guard.hand_step()
-
-
-def _ddp_not_given(ids: set[int]) -> torch.nn.Module | None:
-    """A live ``DistributedDataParallel`` whose parameters are among ``ids`` (the step's), or None.
-
-    Read once, on the path of a warning (a scan of the garbage collector's objects): never per call.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    with warnings.catch_warnings():  # isinstance on some of torch's objects warns of deprecations
-        warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
-    return next((d for d in found if any(id(p) in ids for p in d.parameters())), None)

@@ -62,7 +62,8 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         enabled: False: a no-op.
 
     Raises:
-        TypeError, ValueError: a bad argument (nothing is changed then); used as a decorator.
+        TypeError, ValueError: a bad argument (nothing is changed then); used as a decorator; a model
+            already wrapped in DDP (given itself, or the model inside it) with convolutions to convert.
         SpeedupsError: a ``True`` that cannot apply here; :func:`~speedups.deterministic` in force;
             ``with`` on a switch already restored; ``restore()`` while a newer ``fast_kernels`` is in force.
 
@@ -355,6 +356,14 @@ def _convolutions(model: nn.Module | None, channels_last: object) -> list[Convol
         and not isinstance(m.weight, nn.parameter.UninitializedParameter)
         and m.weight.dim() == 4
     ]
+    outer = wrappers.live_wrapper_of({id(m.weight) for m in found}) if found else None
+    if outer is not None:  # the model given is the one inside: its DDP was made already
+        raise ValueError(
+            f"model is already wrapped in a {type(outer).__name__}, made for the weights' memory format as "
+            f"it was (DDP lays its gradient buckets out for it and does not follow a later change: training "
+            f"then goes wrong without an error). Convert first: fast_kernels(model), then ddp_wrap(model); "
+            f"or pass channels_last=False."
+        )
     if not found and channels_last is True:
         raise ValueError(
             f"channels_last=True converts 2-d convolutions, and {type(model).__name__} has none (nn.Conv2d, "

@@ -8,6 +8,7 @@ the device decides, by replacing the device lookup and the capability.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -688,6 +689,23 @@ def test_bad_arguments_raise_before_anything_changes(kwargs: dict, error: type, 
     assert _views() == before and kernel_switches.find("fast_kernels") is None
     if layouts is not None:
         assert _layouts(model) == layouts
+
+
+def test_the_model_inside_a_live_data_parallel_wrapper_is_refused_before_anything_changes() -> None:
+    """ddp_wrap(model) first, then fast_kernels(model): the wrapper does not follow the weights' new
+    layout (under DDP on 2 ranks, 0.08 off the plain loop after a restore() mid-run: tests/seams)."""
+    model = _net()
+    wrapper = nn.DataParallel(model)  # a live wrapper of the same parameters (DDP alike, off a process group)
+    layouts, before = _layouts(model), _views()
+    with pytest.raises(ValueError, match=r"already wrapped in a DataParallel.*fast_kernels\(model\), then "
+                       r"ddp_wrap\(model\)"):
+        fast_kernels(model, tf32=False, cudnn_benchmark=False)
+    assert _layouts(model) == layouts and _views() == before and kernel_switches.find("fast_kernels") is None
+    del wrapper
+    gc.collect()
+    switch = fast_kernels(model, tf32=False, cudnn_benchmark=False)  # the wrapper gone: accepted
+    assert switch.convolutions > 0
+    switch.restore()
 
 
 def test_a_model_without_convolutions_under_auto_is_said_once() -> None:

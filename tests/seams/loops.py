@@ -95,15 +95,15 @@ class SeamNet(nn.Module):
         super().__init__()
         # no bias before batch norm: it would be a direction the loss cannot see, where Adam turns rounding
         # noise in a zero gradient into steps of the learning rate's size
-        self.stem = nn.Conv2d(1, 4, 3, padding=1, bias=False)
-        self.proj = nn.Linear(64, 32, bias=False)
+        self.stem = nn.Conv2d(4, 8, 3, padding=1, bias=False)  # (several channels: channels_last differs)
+        self.proj = nn.Linear(32, 32, bias=False)
         self.norm = nn.BatchNorm1d(32)
         self.oom = OomAbove()
         self.blocks = nn.ModuleList(Block(32) for _ in range(2))
         self.head = nn.Linear(32, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.proj(self.stem(x.view(-1, 1, 4, 4)).flatten(1)))
+        h = self.norm(self.proj(self.stem(x.view(-1, 4, 2, 2)).flatten(1)))
         h = self.oom(h)
         for block in self.blocks:
             h = block(h)
@@ -208,6 +208,11 @@ def _speedups_part(recipe: Recipe, resume: str | None, save: str | None) -> Outc
         checkpoint_activations(model, BLOCKS)
     if recipe.compile:
         compile_blocks(model, BLOCKS)
+    switch = None
+    if recipe.fast_kernels and (resume is None or recipe.resume_at < RESTORE_AT):  # before DDP, as taught
+        with warnings.catch_warnings():  # TF32 and cuDNN autotuning do not apply on the CPU: it says so
+            warnings.filterwarnings("ignore", "fast_kernels.*do not apply here", SpeedupsWarning)
+            switch = fast_kernels(model)
     wrapped = ddp_wrap(model, device="cpu") if recipe.ddp else model
     optimizer = _optimizer(recipe, wrapped)
     amp = mixed_precision("bf16", device_type="cpu") if recipe.bf16 else None
@@ -226,11 +231,6 @@ def _speedups_part(recipe: Recipe, resume: str | None, save: str | None) -> Outc
                                 **({"tracker": tracker} if tracker is not None else {}))  # fmt: skip
         done, start = extra["micro_steps"], extra["epoch"]
         dataset.after_epoch(start - 1) if start else None  # the user's per-epoch state, set again
-    switch = None
-    if recipe.fast_kernels and done < RESTORE_AT:
-        with warnings.catch_warnings():  # TF32 and cuDNN autotuning do not apply on the CPU: it says so
-            warnings.filterwarnings("ignore", "fast_kernels.*do not apply here", SpeedupsWarning)
-            switch = fast_kernels(model)
     losses: list[float] = []
     for epoch in range(start, EPOCHS):
         for x, y in train_step.epoch(loader):
