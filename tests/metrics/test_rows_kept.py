@@ -126,10 +126,10 @@ def test_a_closed_or_collected_logger_leaves_the_directory_free(tmp_path: Path) 
 
 
 def test_another_process_holding_the_file_is_named_and_a_killed_one_frees_it(tmp_path: Path) -> None:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom speedups import MetricLogger\n"
-         "logger = MetricLogger(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(60)", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    holder = subprocess.Popen(  # holds until killed (or its stdin closes): no sleep to outlast
+        [sys.executable, "-c", "import sys\nfrom speedups import MetricLogger\n"
+         "logger = MetricLogger(sys.argv[1])\nprint('held', flush=True)\nsys.stdin.read()", str(tmp_path)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
