@@ -79,13 +79,13 @@ def arrive(
         if alone_after_s is not None and me == 0 and waited > alone_after_s:
             store.compare_set(decided, "", "alone")
             break
-        if waited > timeout_s:
-            raise SpeedupsError(_message(call, store.add(key, 0), world, f"gave up after {timeout_s:g} s"))
-        if not noticed and waited > NOTICE_AFTER_S:
+        if not noticed and waited > NOTICE_AFTER_S:  # (first: a wait past the timeout is past it too)
             noticed = True
-            late = _message(call, store.add(key, 0), world, f"still waiting after {waited:.0f} s")
+            late = _message(call, store.add(key, 0), world, f"still waiting after {NOTICE_AFTER_S:g} s")
             sys.stderr.write(f"speedups: {late} (it fails at the collective timeout, {timeout_s:g} s)\n")
             sys.stderr.flush()
+        if waited > timeout_s:
+            raise SpeedupsError(_message(call, store.add(key, 0), world, f"gave up after {timeout_s:g} s"))
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     together = bytes(store.get(decided)) == b"all"
