@@ -4,8 +4,9 @@
 ``validate`` (argument checks), ``tree`` (nested containers), ``moving`` (one leaf to a device), ``rng``
 (global RNG states), ``hardware`` (CPU features and counts), ``oom`` (out of memory), ``wrappers`` (DDP,
 DataParallel and ``torch.compile`` unwrapped), ``step_context`` (the optimizer update a step and
-``mixed_precision`` share), ``holds`` (one writer per path, and the files forked children drop), ``compat``
-(torch's private APIs, in one place).
+``mixed_precision`` share), ``holds`` (one writer per path, and the files forked children drop),
+``state_strides`` (optimizer state and gradients laid out as their parameters), ``compat`` (torch's private
+APIs, in one place).
 """
 
 __all__: list[str] = []
