@@ -34,6 +34,9 @@ __all__ = [
     "live_loader_iterator",
     "set_worker_seed",
     "worker_numpy_seed",
+    "restarts_loader_workers",
+    "loader_iterator_resetting",
+    "restart_loader_workers",
 ]
 
 
@@ -284,3 +287,50 @@ def has_compiled_call(module: nn.Module) -> bool:
     ``torch.compile`` wrapper turns dynamo back on.
     """
     return module.__dict__.get("_compiled_call_impl") is not None
+
+
+@functools.cache
+def restarts_loader_workers() -> bool:
+    """Whether this torch lets :func:`restart_loader_workers` swap a persistent loader's iterator mid-reset.
+
+    ``DataLoader.__iter__`` with persistent workers calls ``self._iterator._reset(self)`` and then returns
+    ``self._iterator``, read again: an iterator put there during the reset is the one the loop gets (torch
+    1.7 to 2.14). Read from its source (else its names); ``_get_iterator`` and the multi-process iterator's
+    ``_shutdown_workers`` must exist too. False: persistent workers cannot be restarted for one epoch.
+    """
+    from torch.utils.data import DataLoader, dataloader
+
+    multi = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if not callable(getattr(DataLoader, "_get_iterator", None)) or not callable(
+        getattr(multi, "_shutdown_workers", None)
+    ):
+        return False
+    try:
+        source = inspect.getsource(DataLoader.__iter__)
+    except (OSError, TypeError):  # no source shipped: its names at least
+        names = DataLoader.__iter__.__code__.co_names
+        return {"_iterator", "_reset", "_get_iterator"} <= set(names)
+    return "._reset(self)" in source and "return self._iterator" in source
+
+
+def loader_iterator_resetting(loader: Any) -> bool:
+    """Whether ``loader``'s persistent iterator is inside torch's ``_reset`` for a new pass: it has sent no
+    index of the pass yet (``_send_idx``, which ``_reset`` sets to 0), as opposed to a sampler iterated by
+    hand between passes."""
+    return getattr(loader._iterator, "_send_idx", 0) == 0
+
+
+def restart_loader_workers(loader: Any) -> None:
+    """Stop ``loader``'s persistent workers and give it a fresh iterator: new workers copying the dataset as
+    it is now, and the base-seed draw a fresh ``DataLoader`` iterator makes (``DataLoader._get_iterator``).
+
+    Call it only from the sampler's first index of a pass, inside the live iterator's ``_reset`` (after
+    its workers acknowledged the new pass, before any index is sent), when
+    :func:`restarts_loader_workers`: the reset then finds no index and the loop gets the new iterator. The
+    old workers are shut down first (``_shutdown_workers``); if the new ones fail to start, the loader keeps
+    none, so its next ``iter()`` starts fresh ones.
+    """
+    old = loader._iterator
+    old._shutdown_workers()
+    loader._iterator = None
+    loader._iterator = loader._get_iterator()

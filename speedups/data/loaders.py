@@ -75,10 +75,15 @@ def fast_loader(
     workers draw it once, which shifts every later draw: the next shuffle, the loop's own noise), and each
     worker, at the epoch's first item, reseeds its torch, ``random`` and numpy streams from it, sets
     ``get_worker_info().seed`` and runs ``worker_init_fn`` again, as a fresh worker would (what a worker
-    keeps in its own globals lives on). ``loader.dataset`` and ``loader.sampler`` then wrap yours and read
-    through (``.dataset``, ``.sampler``). Fresh workers each epoch where that cannot be matched: an
-    ``IterableDataset`` (no index carries the seed), a dataset with ``set_epoch`` or wrapping one (its state
-    reaches only workers started after it). ``persistent_workers=True``/``False`` gives torch's own.
+    keeps in its own globals lives on). Fresh workers copy the dataset each epoch; live ones keep theirs, so
+    an epoch whose dataset, ``collate_fn`` or ``worker_init_fn`` changed in the main process (an attribute
+    reassigned, a tensor, array, list or dict changed in place, a generator advanced, also in a wrapped
+    dataset or one level down) starts fresh workers, and once the workers change their own copy
+    (``worker_init_fn`` adjusting it, a generator the dataset owns) every later epoch does: one
+    :class:`~speedups.SpeedupsWarning`; what is not seen: docs/tips/fast-loader.md. ``loader.dataset`` and
+    ``loader.sampler`` wrap yours and read through (``.dataset``, ``.sampler``). Fresh workers each epoch
+    where that cannot be matched: an ``IterableDataset`` (no index carries the seed), a dataset with
+    ``set_epoch`` or wrapping one. ``persistent_workers=True``/``False`` gives torch's own.
 
     ``sample_seeds=True`` seeds torch's CPU RNG, ``random`` and numpy per sample from (seed, epoch, index),
     so random augmentation gives the same batches for any workers, world size or resume; the order becomes

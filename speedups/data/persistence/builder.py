@@ -6,9 +6,13 @@ unwrapping of what it wraps (:func:`unwrapped`), for code that reads a loader's 
 How: the loader's sampler is wrapped in an :class:`~speedups.data.persistence.EpochSeeds`, which draws each
 later pass's base seed in the main process as a fresh ``DataLoader`` iterator would, and its dataset in a
 :class:`~speedups.data.persistence.WorkerReseeding`, which reseeds each worker with it at the pass's
-first item and runs ``worker_init_fn`` again. What cannot be matched with live workers gets fresh workers:
-a dataset with ``set_epoch`` (or wrapping one), whose per-epoch state only reaches workers started after
-it was set; an ``IterableDataset`` (or a DataPipe), whose items have no index to carry the seed.
+first item and runs ``worker_init_fn`` again. A pass whose live workers no longer hold what fresh ones would
+copy (the dataset, ``collate_fn`` or ``worker_init_fn`` changed in the main process since they started, or
+changed by the workers themselves) starts fresh workers instead
+(:class:`~speedups.data.persistence.WorkerRestarts`). What cannot be matched with live workers gets fresh
+workers every epoch: a dataset with ``set_epoch`` (or wrapping one), whose per-epoch state only reaches
+workers started after it was set; an ``IterableDataset`` (or a DataPipe), whose items have no index to carry
+the seed; a torch whose persistent iterator cannot be swapped for one pass.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from speedups._helpers import compat
 from speedups.data.persistence.epoch_seeds import EpochSeeds
 from speedups.data.persistence.worker_reseeding import WorkerReseeding
+from speedups.data.persistence.worker_watch import WorkerWatch
 
 __all__ = [
     "EXACT",
@@ -73,7 +78,8 @@ def build_loader(cls: type[L], dataset: Any, /, **kwargs: Any) -> L:
     """``cls(dataset, **kwargs)``; with ``persistent_workers=EXACT``, workers that persist exactly.
 
     With ``EXACT`` and workers, over a map-style dataset without ``set_epoch``: the dataset is wrapped in a
-    ``WorkerReseeding`` and the order in an ``EpochSeeds`` (the user's ``batch_sampler``, else ``sampler``,
+    ``WorkerReseeding`` (watching the dataset, ``collate_fn`` and ``worker_init_fn`` through a
+    ``WorkerWatch``) and the order in an ``EpochSeeds`` (the user's ``batch_sampler``, else ``sampler``,
     else the ``RandomSampler(dataset, generator=generator)`` or ``SequentialSampler`` that ``DataLoader``
     would build), with ``persistent_workers=True``. Otherwise ``persistent_workers=False``. Any other
     value of ``persistent_workers`` goes to ``cls`` as it is (torch's own semantics).
@@ -98,10 +104,13 @@ def build_loader(cls: type[L], dataset: Any, /, **kwargs: Any) -> L:
             inner = RandomSampler(dataset, generator=generator) if shuffled else SequentialSampler(dataset)
         unbatched = "batch_size" in kwargs and kwargs["batch_size"] is None  # torch reads it directly
         order = kwargs["sampler"] = EpochSeeds(inner, index_sampler=unbatched)
-    loader = cls(WorkerReseeding(dataset, kwargs.get("worker_init_fn")), **kwargs)
+    if not compat.restarts_loader_workers():  # a torch whose live iterator cannot be swapped: fresh workers
+        return cls(dataset, **plain)
+    wrapper = WorkerReseeding(dataset, kwargs.get("worker_init_fn"), kwargs.get("collate_fn"), WorkerWatch())
+    loader = cls(wrapper, **kwargs)
     if not compat.keeps_live_iterator(loader):  # a torch that keeps it elsewhere: fresh workers
         return cls(dataset, **plain)
-    order.bind(loader, dataset)
+    order.bind(loader, wrapper)
     return loader
 
 

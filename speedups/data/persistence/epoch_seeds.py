@@ -1,16 +1,17 @@
-"""The sampler side of persistent workers that draw what fresh ones draw: each pass draws its base seed.
+"""The sampler side of persistent workers that draw what fresh ones draw: each pass draws its base seed, or
+starts fresh workers where the live ones would not load what fresh ones load.
 
 A ``DataLoader`` with ``persistent_workers=False`` draws its workers' base seed from its ``generator`` (else
 the global torch RNG) every time an iterator is made; with persistent workers, torch makes the iterator
 once and later passes draw nothing. :class:`EpochSeeds` makes each later pass draw that seed, at the point
 of the sequence where a fresh iterator draws it, and hands it to the workers with every index, as keys for
-:class:`~speedups.data.persistence.worker_reseeding.WorkerReseeding`.
+:class:`~speedups.data.persistence.WorkerReseeding`. Where the workers' copy of the dataset is no longer what
+fresh workers would copy, it has the pass start fresh workers instead
+(:class:`~speedups.data.persistence.worker_restarts.WorkerRestarts`).
 """
 
 from __future__ import annotations
 
-import inspect
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -18,10 +19,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from speedups._helpers import compat, env
-from speedups.data.persistence.dataset_state import Snapshot, attribute_ids, reassigned
-from speedups.data.persistence.worker_reseeding import EPOCH_KEY
-from speedups.errors import SpeedupsWarning
+from speedups._helpers import compat
+from speedups.data.persistence.worker_reseeding import EPOCH_KEY, WorkerReseeding
+from speedups.data.persistence.worker_restarts import WorkerRestarts
 
 __all__ = ["EpochSeeds"]
 
@@ -30,17 +30,21 @@ class EpochSeeds(Sampler):
     """Wrap a loader's sampler (or batch sampler) so each index of a pass comes out as a key
     ``(EPOCH_KEY, index, pass, base_seed)``.
 
-    ``base_seed`` is None in the loader's first pass (torch draws it and seeds the workers as they start).
-    In a later pass of the loader's persistent iterator it is drawn here, from the loader's ``generator``
-    (else the global torch RNG), exactly as ``_BaseDataLoaderIter.__init__`` draws it, and in the same
-    order among the other draws of a fresh iterator: the wrapped sampler's ``iter()`` (where torch reads it
-    directly, ``index_sampler=True``: the whole batch sampler, or the sampler without automatic batching),
-    the base seed, then the sampler's ``iter()`` again and its indices (a ``RandomSampler`` draws its own
-    seed at its first index). So the main process's random streams advance as with fresh workers, epoch
-    after epoch. The draw happens at the pass's first index, which torch takes inside ``iter(loader)``.
+    ``base_seed`` is None in a pass whose workers start in it (the loader's first, or one that restarts
+    them): torch draws it and seeds the workers as they start. In a later pass of the loader's persistent
+    iterator it is drawn here, from the loader's ``generator`` (else the global torch RNG), exactly as
+    ``_BaseDataLoaderIter.__init__`` draws it, and in the same order among the other draws of a fresh
+    iterator: the wrapped sampler's ``iter()`` (where torch reads it directly, ``index_sampler=True``: the
+    whole batch sampler, or the sampler without automatic batching), the base seed, then the sampler's
+    ``iter()`` again and its indices (a ``RandomSampler`` draws its own seed at its first index). So the
+    main process's random streams advance as with fresh workers, epoch after epoch. The draw happens at the
+    pass's first index, which torch takes inside ``iter(loader)``.
 
-    Workers keep the dataset they copied when they started: an attribute of it reassigned in the main process
-    since (``dataset.epoch = 3``) gets one :class:`~speedups.SpeedupsWarning` at the next pass, naming it.
+    There too, before the draw, the loader's :class:`~speedups.data.persistence.worker_restarts.
+    WorkerRestarts` is asked whether the live workers still hold what fresh ones would copy (the dataset,
+    ``collate_fn`` and ``worker_init_fn`` unchanged in the main process since they started, and unchanged in
+    the workers); if not, the pass gets a fresh iterator instead, whose workers copy them as they are now and
+    whose base seed torch draws: the pass then makes the draws of a fresh ``DataLoader`` iterator, in order.
 
     Iterating it by hand after the loader's first pass (``list(loader.sampler)``) draws a base seed too:
     read ``loader.sampler.sampler``, the wrapped one. Every other attribute (``set_epoch``, ``generator``,
@@ -53,10 +57,11 @@ class EpochSeeds(Sampler):
             False where ``DataLoader``'s own ``BatchSampler`` reads it.
     """
 
-    _OWN = frozenset({"sampler", "index_sampler", "passes", "_loader", "_dataset", "_started", "_warned"})
+    _OWN = frozenset({"sampler", "index_sampler", "passes", "_loader", "_dataset", "_restarts", "_handoff"})
     _loader: weakref.ref[Any] | None
-    _started: Snapshot | None
-    _warned: bool
+    _dataset: WorkerReseeding | None
+    _restarts: WorkerRestarts | None
+    _handoff: Iterator[Any] | None
 
     def __init__(self, sampler: Any, *, index_sampler: bool) -> None:
         object.__setattr__(self, "sampler", sampler)
@@ -64,14 +69,20 @@ class EpochSeeds(Sampler):
         object.__setattr__(self, "passes", 0)
         object.__setattr__(self, "_loader", None)
         object.__setattr__(self, "_dataset", None)
-        object.__setattr__(self, "_started", None)  # the dataset's attributes when the workers started
-        object.__setattr__(self, "_warned", False)
+        object.__setattr__(self, "_restarts", None)
+        object.__setattr__(self, "_handoff", None)  # the sampler iterator a restarted pass already made
 
-    def bind(self, loader: Any, dataset: Any) -> None:
+    def bind(self, loader: Any, dataset: WorkerReseeding) -> None:
         """Draw the base seeds of ``loader``'s later passes (held weakly: the loader holds this sampler), and
-        watch ``dataset`` (the user's) for attributes its workers would not see."""
+        restart its workers where ``dataset`` (its wrapper, holding the watch) says they drifted."""
         self._loader = weakref.ref(loader)
         self._dataset = dataset
+        self._restarts = None if dataset.watch is None else WorkerRestarts(dataset.watch)
+
+    @property
+    def restarts(self) -> int:
+        """How many passes started fresh workers in place of the live ones (0 when none was needed)."""
+        return 0 if self._restarts is None else self._restarts.restarts
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in self._OWN:
@@ -90,49 +101,48 @@ class EpochSeeds(Sampler):
     def __iter__(self) -> Iterator[Any]:
         # A fresh iterator calls iter() on the index sampler where this is called: whatever the wrapped
         # sampler does then (an eager permutation) happens now too. Its indices wait for the first next().
-        first = iter(self.sampler) if self.index_sampler else None
+        # A pass that restarts its workers made that call already: the fresh iterator's first is that one.
+        first, self._handoff = self._handoff, None
+        if first is None and self.index_sampler:
+            first = iter(self.sampler)
         return self._keys(first)
 
     def _keys(self, first: Iterator[Any] | None) -> Iterator[Any]:
         loader = None if self._loader is None else self._loader()
         base_seed = None
-        if loader is not None and compat.live_loader_iterator(loader) is not None:  # a later pass
+        if loader is not None and compat.live_loader_iterator(loader) is None:
+            if self._restarts is not None and self._dataset is not None:  # workers start now, copying it
+                self._restarts.started(self._dataset.watched())
+        elif loader is not None:  # a later pass of the live workers
+            if self._restart(loader, first):
+                return  # this (old) iterator's pass is empty: the loop gets the fresh iterator
             # what a fresh iterator draws in _BaseDataLoaderIter.__init__, then its second iter()
             base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
             first = None
-            self._check_dataset()
-        elif loader is not None:  # the workers start now, with a copy of the dataset as it is
-            self._started = attribute_ids(self._dataset)
         self.passes += 1
         number = self.passes
         for index in self.sampler if first is None else first:
             yield (EPOCH_KEY, index, number, base_seed)
 
-    def _check_dataset(self) -> None:
-        """One warning (rank 0) when an attribute of the dataset was reassigned since the workers started."""
-        if self._warned or self._started is None:
-            return
-        changed = reassigned(self._started, self._dataset)
-        if changed and env.rank() == 0:
-            self._warned = True
-            warnings.warn(
-                f"{', '.join(changed[:5])} changed in the main process after the loader's workers started; "
-                f"they persist, so they still load with the value they copied. Give the dataset a "
-                f"set_epoch(epoch) method (its loaders then restart their workers each epoch), or build the "
-                f"loader with persistent_workers=False.",
-                SpeedupsWarning,
-                stacklevel=_loop_level(),
-            )
+    def _restart(self, loader: Any, first: Iterator[Any] | None) -> bool:
+        """Give this pass fresh workers if the live ones would not load what fresh ones load; whether it did.
+
+        Only inside torch's reset of the live iterator (not a sampler iterated by hand); the fresh iterator
+        is built here (its workers start, torch draws its base seed, it calls ``iter()`` on this sampler,
+        its first call answered with ``first``, the one this pass made) and replaces the live one.
+        """
+        if self._restarts is None or self._dataset is None or not compat.loader_iterator_resetting(loader):
+            return False
+        watched = self._dataset.watched()
+        reason = self._restarts.reason(watched)
+        if reason is None:
+            return False
+        self._handoff = first
+        try:
+            self._restarts.restart(loader, reason, watched)
+        finally:
+            self._handoff = None
+        return True
 
     def __repr__(self) -> str:
         return f"EpochSeeds({self.sampler!r}, index_sampler={self.index_sampler})"
-
-
-def _loop_level() -> int:
-    """The ``stacklevel`` (seen from :meth:`EpochSeeds._check_dataset`) of the first frame outside torch's
-    data loading and this package's: the loop's ``for`` over the loader."""
-    frame = inspect.currentframe()
-    level = 0  # this function's frame is level 0 here, the caller's level 1 there
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("torch.", "speedups.data")):
-        frame, level = frame.f_back, level + 1
-    return max(level, 1)

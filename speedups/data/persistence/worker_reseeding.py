@@ -1,15 +1,20 @@
-"""The worker side of persistent workers that draw what fresh ones draw: each pass's first item reseeds.
+"""The worker side of persistent workers that load what fresh ones load: each pass's first item reseeds, and
+each worker watches its copy of the dataset.
 
 torch's persistent workers are seeded once, when they start; fresh workers (``persistent_workers=False``)
 are seeded at every epoch from a base seed the main process draws. :class:`WorkerReseeding` wraps the
 dataset so that a worker kept alive reseeds itself, as a fresh worker would have been seeded, when the first
 key of a new pass reaches it; the key carries that pass's base seed from the main process
-(:class:`~speedups.data.persistence.epoch_seeds.EpochSeeds`).
+(:class:`~speedups.data.persistence.EpochSeeds`). It also tells the main process when the worker's copy
+of the dataset no longer is what a fresh worker would copy (:class:`~speedups.data.persistence.worker_watch.
+WorkerWatch`).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -18,6 +23,7 @@ from torch.utils.data import get_worker_info
 
 from speedups._helpers import compat
 from speedups._helpers.rng import numpy_or_none
+from speedups.data.persistence.worker_watch import WorkerWatch
 from speedups.data.read_through import ReadThrough
 
 __all__ = ["EPOCH_KEY", "WorkerReseeding", "is_epoch_key"]
@@ -27,7 +33,7 @@ EPOCH_KEY = "speedups.epoch_key"
 
 
 def is_epoch_key(key: Any) -> bool:
-    """Whether ``key`` is one :class:`~speedups.data.persistence.epoch_seeds.EpochSeeds` handed out."""
+    """Whether ``key`` is one :class:`~speedups.data.persistence.EpochSeeds` handed out."""
     return type(key) is tuple and len(key) == 4 and isinstance(key[0], str) and key[0] == EPOCH_KEY
 
 
@@ -43,26 +49,56 @@ class WorkerReseeding(ReadThrough):
     worker would draw them. A batch goes to the dataset's own ``__getitems__`` when it has one, else item by
     item, as torch's fetcher does. A plain index (``loader.dataset[3]``) loads the item as it is.
 
-    Every attribute but ``dataset`` and ``worker_init_fn`` is read from, written to and deleted from the
-    wrapped dataset (``loader.dataset.classes``, ``get_worker_info().dataset.start = 0``);
-    ``isinstance(loader.dataset, MyDataset)`` is False: use ``loader.dataset.dataset``. Pickles (spawn)
-    when the dataset and ``worker_init_fn`` do.
+    With a ``watch``, each worker records the dataset, ``collate_fn`` and ``worker_init_fn`` it holds as it
+    starts (when forked, or unpickled under ``spawn``/``forkserver``: before ``worker_init_fn``) and
+    compares them after ``worker_init_fn`` and after each batch it loads; a change is flagged to the main
+    process, which then starts fresh workers (a change ``collate_fn`` makes shows at the worker's next batch).
+
+    Every attribute but its own (``dataset``, ``worker_init_fn``, ``collate_fn``, ``watch``) is read from,
+    written to and deleted from the wrapped dataset (``loader.dataset.classes``,
+    ``get_worker_info().dataset.start = 0``); ``isinstance(loader.dataset, MyDataset)`` is False: use
+    ``loader.dataset.dataset``. Pickles (spawn) when the dataset and ``worker_init_fn`` do.
 
     Args:
         dataset: a map-style dataset.
         worker_init_fn: the loader's ``worker_init_fn`` (None: none), called again at each new pass.
+        collate_fn: the loader's ``collate_fn`` (watched only).
+        watch: where workers flag a change of their copy (None: not watched).
     """
 
-    _OWN: ClassVar[frozenset[str]] = frozenset({"dataset", "worker_init_fn", "_pass"})
+    _OWN: ClassVar[frozenset[str]] = frozenset({"dataset", "worker_init_fn", "collate_fn", "watch", "_pass"})
     _pass: int | None
+    watch: WorkerWatch | None
 
-    def __init__(self, dataset: Any, worker_init_fn: Callable[[int], object] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        worker_init_fn: Callable[[int], object] | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
+        watch: WorkerWatch | None = None,
+    ) -> None:
         object.__setattr__(self, "dataset", dataset)
         object.__setattr__(self, "worker_init_fn", worker_init_fn)
+        object.__setattr__(self, "collate_fn", collate_fn)
+        object.__setattr__(self, "watch", watch)
         object.__setattr__(self, "_pass", None)  # the pass this (worker's copy of the) dataset last loaded
+        if watch is not None:
+            _watch_forks(self)
+
+    def watched(self) -> dict[str, Any]:
+        """What a fresh worker copies from the main process and a persistent one keeps: the objects whose
+        changes :class:`~speedups.data.persistence.worker_restarts.WorkerRestarts` looks for."""
+        return {"dataset": self.dataset, "collate_fn": self.collate_fn, "worker_init_fn": self.worker_init_fn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        if self.watch is not None:  # unpickled in a spawned worker, before worker_init_fn runs
+            self.watch.start(self.watched())
 
     def __getitems__(self, keys: Any) -> list[Any]:
         """Load a batch: a batch key, a list of keys (of one pass), or plain indices."""
+        keyed = True
         if is_epoch_key(keys):  # a batch sampler's batch, as it made it
             self._enter(keys)
             indices = keys[1]
@@ -70,17 +106,21 @@ class WorkerReseeding(ReadThrough):
             self._enter(keys[0])  # the keys of a batch share their pass
             indices = [key[1] for key in keys]
         else:
-            indices = keys
+            indices, keyed = keys, False
         own = getattr(self.dataset, "__getitems__", None)
-        if own:  # what torch's fetcher checks
-            return own(indices)
-        return [self.dataset[index] for index in indices]
+        out = own(indices) if own else [self.dataset[index] for index in indices]  # what torch's fetcher does
+        if keyed and self.watch is not None:
+            self.watch.check(self.watched(), WorkerWatch.LOADING)
+        return out
 
     def __getitem__(self, key: Any) -> Any:
         if not is_epoch_key(key):
             return self.dataset[key]
         self._enter(key)
-        return self.dataset[key[1]]
+        item = self.dataset[key[1]]
+        if self.watch is not None:
+            self.watch.check(self.watched(), WorkerWatch.LOADING)
+        return item
 
     def _enter(self, key: tuple[str, Any, int, int | None]) -> None:
         """At the first key of a new pass, reseed this worker as torch seeds a fresh one."""
@@ -89,17 +129,42 @@ class WorkerReseeding(ReadThrough):
             return
         self._pass = number
         info = get_worker_info()
-        if base_seed is None or info is None:  # the first pass (torch seeded the workers) or no worker
+        if info is None:  # no worker: the main process loads
             return
-        seed = base_seed + info.id
-        random.seed(seed)
-        torch.manual_seed(seed)
-        np = numpy_or_none()
-        if np is not None:
-            np.random.seed(compat.worker_numpy_seed(base_seed, info.id))
-        compat.set_worker_seed(info, seed)
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(info.id)
+        if base_seed is not None:  # a later pass of a live worker (in the first, torch seeded it)
+            seed = base_seed + info.id
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np = numpy_or_none()
+            if np is not None:
+                np.random.seed(compat.worker_numpy_seed(base_seed, info.id))
+            compat.set_worker_seed(info, seed)
+            if self.worker_init_fn is not None:
+                self.worker_init_fn(info.id)
+        if self.watch is not None:  # worker_init_fn has run, in this pass or as the worker started
+            self.watch.check(self.watched(), WorkerWatch.INIT)
 
     def __repr__(self) -> str:
         return f"WorkerReseeding({self.dataset!r})"
+
+
+_FORKABLE: weakref.WeakSet[WorkerReseeding] = weakref.WeakSet()  # watched wrappers a fork may copy
+_HOOKED: list[bool] = []  # os.register_at_fork has no undo: registered once per process
+
+
+def _watch_forks(wrapper: WorkerReseeding) -> None:
+    """Have every process forked from this one record ``wrapper``'s watched objects as it starts (a forked
+    worker's copy before ``worker_init_fn`` runs), while ``wrapper`` lives."""
+    if not _HOOKED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_record_forked)
+        _HOOKED.append(True)
+    _FORKABLE.add(wrapper)
+
+
+def _record_forked() -> None:
+    """In a process just forked: each watched wrapper records its copy (bounded: a few µs each)."""
+    for wrapper in list(_FORKABLE):
+        try:
+            wrapper.watch.start(wrapper.watched())  # type: ignore[union-attr]
+        except Exception:  # never fail a fork: that wrapper stays unwatched here
+            continue
