@@ -306,6 +306,67 @@ def test_a_resume_in_a_later_epoch_continues_the_uninterrupted_run(batches: int,
         assert torch.rand(3).tolist() == after[epoch], f"the main draws after epoch {epoch}"
 
 
+def _over_torchs_persistent_workers(data: EpochProbe) -> DataLoader:
+    loader = DataLoader(data, 2, shuffle=True, persistent_workers=True, **_TWO_FORK_WORKERS)
+    return distributed(loader, rank=0, world_size=1)
+
+
+_TWO_FORK_WORKERS: dict[str, Any] = {
+    "num_workers": 2,
+    "worker_init_fn": record_init,
+    "multiprocessing_context": "fork",
+}
+
+
+@pytest.mark.parametrize("into", ["a fresh loader", "the same loader"])
+@pytest.mark.parametrize("batches", [0, 4], ids=["at an epoch boundary", "mid-epoch"])
+def test_a_resume_over_torchs_own_persistent_workers_replays_their_one_base_seed(batches: int, into: str):
+    """distributed(DataLoader(..., persistent_workers=True)) keeps torch's own persistent workers, which draw
+    their base seed once, in epoch 0: each epoch's order, workers and worker seeds are those of torch's
+    DataLoader with a DistributedSampler; a run resumed in epoch 1 (12 batches an epoch) seeds the workers
+    it starts with that epoch-0 seed (replayed from the checkpoint, the global RNG untouched) and goes on
+    as the uninterrupted run, batch for batch (the workers' own draws restart: they are new processes)."""
+    data = EpochProbe(24)
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    plain = DataLoader(data, 2, sampler=sampler, persistent_workers=True, **_TWO_FORK_WORKERS)
+    reference = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        reference.append([row[:3] for batch in plain for row in _rows(batch)])
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    loader = _over_torchs_persistent_workers(data)
+    seen: list[list[tuple[int, ...]]] = []
+    after: list[Any] = []
+    saved = None
+    for epoch in range(4):
+        rows: list[tuple[int, ...]] = []
+        if epoch == 1 and batches == 0:
+            saved = loader.state_dict(), torch.get_rng_state()
+        for i, batch in enumerate(loader):
+            rows += [row[:3] for row in _rows(batch)]
+            if epoch == 1 and i + 1 == batches:
+                saved = loader.state_dict(), torch.get_rng_state()
+        seen.append(rows)
+        after.append(torch.rand(3).tolist())
+    assert seen == reference, "torch's own persistent workers: one base seed for every epoch"
+    assert len({row[2] - row[1] for epoch in seen for row in epoch}) == 1
+    assert saved is not None and saved[0]["seed_state"] is not None
+
+    resumed = _over_torchs_persistent_workers(data) if into == "a fresh loader" else loader
+    torch.set_rng_state(saved[1])
+    resumed.load_state_dict(saved[0])
+    again = resumed.state_dict()["seed_state"]  # a checkpoint taken before the resumed pass: the same seed
+    assert again is not None and torch.equal(again, saved[0]["seed_state"])
+    for epoch in range(1, 4):
+        rows = [row[:3] for batch in resumed for row in _rows(batch)]
+        want = seen[epoch][2 * batches :] if epoch == 1 else seen[epoch]
+        right = sum(a == b for a, b in zip(rows[::2], want[::2], strict=True))
+        assert rows == want, f"epoch {epoch}: {right} of {len(want) // 2} batches right"
+        assert torch.rand(3).tolist() == after[epoch], f"the main draws after epoch {epoch}"
+
+
 # -------------------------------------------------------------------------------------------------- spawn
 @pytest.mark.slow
 def test_spawned_workers_persist_exactly() -> None:
