@@ -36,12 +36,15 @@ class Limits(NamedTuple):
     items: int
     """Elements of a list, tuple, dict or set read whole; a longer one is read at this many places."""
     nbytes: int
-    """Bytes of a numpy array hashed whole; a larger one is hashed at :attr:`items` elements."""
+    """Bytes of a numpy array hashed whole; a larger one is hashed at up to 8,192 elements."""
+    inside: int
+    """Elements of one container walked into (a record's fields, a tensor's version) beyond the hash of
+    them all: the first this many that are not scalars."""
 
 
-MAIN = Limits(nodes=4000, depth=3, items=100_000, nbytes=4 << 20)
+MAIN = Limits(nodes=4000, depth=3, items=100_000, nbytes=4 << 20, inside=4000)
 """The main process's, once per epoch (about a millisecond for 100,000 labels)."""
-WORKER = Limits(nodes=1000, depth=3, items=2048, nbytes=64 << 10)
+WORKER = Limits(nodes=1000, depth=3, items=2048, nbytes=64 << 10, inside=32)
 """A worker's, after each batch it loads (a few microseconds for a tensor dataset)."""
 
 _SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
@@ -191,11 +194,13 @@ class Fingerprint:
         self.tokens[path] = ("items", kind, key, n, _hash(sampled), None if named is None else _hash(named))
         if set(map(type, sampled)) <= _SCALARS:  # values alone, all hashed above (at C speed)
             return
+        inside = self._limits.inside
         for i, element in enumerate(sampled):
-            if self._budget <= 0:
+            if self._budget <= 0 or inside <= 0:
                 self.cut = True
                 return
             if type(element) not in _SCALARS:
+                inside -= 1
                 self._visit(path + _label(i * step, None if named is None else named[i]), element, depth)
 
     def _array(self, value: Any, np: Any) -> tuple[Any, ...]:
