@@ -575,3 +575,15 @@ def test_spawned_workers_restart_where_their_copy_changed(kind: str, restarts: b
         assert all(torch.equal(a, b) for a, b in zip(plain.batches[epoch], mine.batches[epoch], strict=True))
         assert mine.after[epoch] == plain.after[epoch]
     assert (mine.pids[1] != mine.pids[0]) is restarts and len(mine.warned) == restarts
+
+
+def test_the_wrapper_reads_through_to_the_datasets_own_attributes() -> None:
+    """What the workers' watch keeps on loader.dataset is private: a dataset's own collate_fn, watch or
+    watched still read (and write) through."""
+    data = Rows()
+    data.collate_fn, data.watch, data.watched = "mine", 1, 2
+    loader = fast_loader(data, 3, num_workers=1, multiprocessing_context="fork")
+    assert isinstance(loader.dataset, WorkerReseeding)
+    assert (loader.dataset.collate_fn, loader.dataset.watch, loader.dataset.watched) == ("mine", 1, 2)
+    loader.dataset.watch = 3
+    assert data.watch == 3

@@ -106,11 +106,13 @@ def build_loader(cls: type[L], dataset: Any, /, **kwargs: Any) -> L:
         order = kwargs["sampler"] = EpochSeeds(inner, index_sampler=unbatched)
     if not compat.restarts_loader_workers():  # a torch whose live iterator cannot be swapped: fresh workers
         return cls(dataset, **plain)
-    wrapper = WorkerReseeding(dataset, kwargs.get("worker_init_fn"), kwargs.get("collate_fn"), WorkerWatch())
-    loader = cls(wrapper, **kwargs)
+    watch = WorkerWatch()
+    loader = cls(
+        WorkerReseeding(dataset, kwargs.get("worker_init_fn"), kwargs.get("collate_fn"), watch), **kwargs
+    )
     if not compat.keeps_live_iterator(loader):  # a torch that keeps it elsewhere: fresh workers
         return cls(dataset, **plain)
-    order.bind(loader, wrapper)
+    order.bind(loader, dataset, watch)
     return loader
 
 

@@ -20,8 +20,9 @@ import torch
 from torch.utils.data import Sampler
 
 from speedups._helpers import compat
-from speedups.data.persistence.worker_reseeding import EPOCH_KEY, WorkerReseeding
+from speedups.data.persistence.worker_reseeding import EPOCH_KEY
 from speedups.data.persistence.worker_restarts import WorkerRestarts
+from speedups.data.persistence.worker_watch import WorkerWatch
 
 __all__ = ["EpochSeeds"]
 
@@ -59,7 +60,6 @@ class EpochSeeds(Sampler):
 
     _OWN = frozenset({"sampler", "index_sampler", "passes", "_loader", "_dataset", "_restarts", "_handoff"})
     _loader: weakref.ref[Any] | None
-    _dataset: WorkerReseeding | None
     _restarts: WorkerRestarts | None
     _handoff: Iterator[Any] | None
 
@@ -72,12 +72,13 @@ class EpochSeeds(Sampler):
         object.__setattr__(self, "_restarts", None)
         object.__setattr__(self, "_handoff", None)  # the sampler iterator a restarted pass already made
 
-    def bind(self, loader: Any, dataset: WorkerReseeding) -> None:
+    def bind(self, loader: Any, dataset: Any, watch: WorkerWatch | None = None) -> None:
         """Draw the base seeds of ``loader``'s later passes (held weakly: the loader holds this sampler), and
-        restart its workers where ``dataset`` (its wrapper, holding the watch) says they drifted."""
+        restart its workers where ``dataset`` (the user's), the loader's ``collate_fn`` or ``worker_init_fn``
+        changed since they started, or ``watch`` (the one its workers set) says theirs did."""
         self._loader = weakref.ref(loader)
         self._dataset = dataset
-        self._restarts = None if dataset.watch is None else WorkerRestarts(dataset.watch)
+        self._restarts = None if watch is None else WorkerRestarts(watch)
 
     @property
     def restarts(self) -> int:
@@ -111,8 +112,8 @@ class EpochSeeds(Sampler):
         loader = None if self._loader is None else self._loader()
         base_seed = None
         if loader is not None and compat.live_loader_iterator(loader) is None:
-            if self._restarts is not None and self._dataset is not None:  # workers start now, copying it
-                self._restarts.started(self._dataset.watched())
+            if self._restarts is not None:  # the workers start now, copying what they are given
+                self._restarts.started(self._watched(loader))
         elif loader is not None:  # a later pass of the live workers
             if self._restart(loader, first):
                 return  # this (old) iterator's pass is empty: the loop gets the fresh iterator
@@ -131,9 +132,9 @@ class EpochSeeds(Sampler):
         is built here (its workers start, torch draws its base seed, it calls ``iter()`` on this sampler,
         its first call answered with ``first``, the one this pass made) and replaces the live one.
         """
-        if self._restarts is None or self._dataset is None or not compat.loader_iterator_resetting(loader):
+        if self._restarts is None or not compat.loader_iterator_resetting(loader):
             return False
-        watched = self._dataset.watched()
+        watched = self._watched(loader)
         reason = self._restarts.reason(watched)
         if reason is None:
             return False
@@ -143,6 +144,14 @@ class EpochSeeds(Sampler):
         finally:
             self._handoff = None
         return True
+
+    def _watched(self, loader: Any) -> dict[str, Any]:
+        """What fresh workers of ``loader`` would copy from the main process."""
+        return {
+            "dataset": self._dataset,
+            "collate_fn": loader.collate_fn,
+            "worker_init_fn": loader.worker_init_fn,
+        }
 
     def __repr__(self) -> str:
         return f"EpochSeeds({self.sampler!r}, index_sampler={self.index_sampler})"

@@ -54,10 +54,10 @@ class WorkerReseeding(ReadThrough):
     compares them after ``worker_init_fn`` and after each batch it loads; a change is flagged to the main
     process, which then starts fresh workers (a change ``collate_fn`` makes shows at the worker's next batch).
 
-    Every attribute but its own (``dataset``, ``worker_init_fn``, ``collate_fn``, ``watch``) is read from,
-    written to and deleted from the wrapped dataset (``loader.dataset.classes``,
-    ``get_worker_info().dataset.start = 0``); ``isinstance(loader.dataset, MyDataset)`` is False: use
-    ``loader.dataset.dataset``. Pickles (spawn) when the dataset and ``worker_init_fn`` do.
+    Every attribute but ``dataset`` and ``worker_init_fn`` is read from, written to and deleted from the
+    wrapped dataset (``loader.dataset.classes``, ``get_worker_info().dataset.start = 0``);
+    ``isinstance(loader.dataset, MyDataset)`` is False: use ``loader.dataset.dataset``. Pickles (spawn) when
+    the dataset and ``worker_init_fn`` do.
 
     Args:
         dataset: a map-style dataset.
@@ -66,9 +66,11 @@ class WorkerReseeding(ReadThrough):
         watch: where workers flag a change of their copy (None: not watched).
     """
 
-    _OWN: ClassVar[frozenset[str]] = frozenset({"dataset", "worker_init_fn", "collate_fn", "watch", "_pass"})
+    _OWN: ClassVar[frozenset[str]] = frozenset(
+        {"dataset", "worker_init_fn", "_collate_fn", "_watch", "_pass"}
+    )
     _pass: int | None
-    watch: WorkerWatch | None
+    _watch: WorkerWatch | None
 
     def __init__(
         self,
@@ -79,22 +81,25 @@ class WorkerReseeding(ReadThrough):
     ) -> None:
         object.__setattr__(self, "dataset", dataset)
         object.__setattr__(self, "worker_init_fn", worker_init_fn)
-        object.__setattr__(self, "collate_fn", collate_fn)
-        object.__setattr__(self, "watch", watch)
+        object.__setattr__(self, "_collate_fn", collate_fn)
+        object.__setattr__(self, "_watch", watch)
         object.__setattr__(self, "_pass", None)  # the pass this (worker's copy of the) dataset last loaded
         if watch is not None:
             _watch_forks(self)
 
-    def watched(self) -> dict[str, Any]:
-        """What a fresh worker copies from the main process and a persistent one keeps: the objects whose
-        changes :class:`~speedups.data.persistence.worker_restarts.WorkerRestarts` looks for."""
-        return {"dataset": self.dataset, "collate_fn": self.collate_fn, "worker_init_fn": self.worker_init_fn}
+    def _watched(self) -> dict[str, Any]:
+        """What a fresh worker copies from the main process and a persistent one keeps."""
+        return {
+            "dataset": self.dataset,
+            "collate_fn": self._collate_fn,
+            "worker_init_fn": self.worker_init_fn,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             object.__setattr__(self, name, value)
-        if self.watch is not None:  # unpickled in a spawned worker, before worker_init_fn runs
-            self.watch.start(self.watched())
+        if self._watch is not None:  # unpickled in a spawned worker, before worker_init_fn runs
+            self._watch.start(self._watched())
 
     def __getitems__(self, keys: Any) -> list[Any]:
         """Load a batch: a batch key, a list of keys (of one pass), or plain indices."""
@@ -109,8 +114,8 @@ class WorkerReseeding(ReadThrough):
             indices, keyed = keys, False
         own = getattr(self.dataset, "__getitems__", None)
         out = own(indices) if own else [self.dataset[index] for index in indices]  # what torch's fetcher does
-        if keyed and self.watch is not None:
-            self.watch.check(self.watched(), WorkerWatch.LOADING)
+        if keyed and self._watch is not None:
+            self._watch.check(self._watched(), WorkerWatch.LOADING)
         return out
 
     def __getitem__(self, key: Any) -> Any:
@@ -118,8 +123,8 @@ class WorkerReseeding(ReadThrough):
             return self.dataset[key]
         self._enter(key)
         item = self.dataset[key[1]]
-        if self.watch is not None:
-            self.watch.check(self.watched(), WorkerWatch.LOADING)
+        if self._watch is not None:
+            self._watch.check(self._watched(), WorkerWatch.LOADING)
         return item
 
     def _enter(self, key: tuple[str, Any, int, int | None]) -> None:
@@ -141,8 +146,8 @@ class WorkerReseeding(ReadThrough):
             compat.set_worker_seed(info, seed)
             if self.worker_init_fn is not None:
                 self.worker_init_fn(info.id)
-        if self.watch is not None:  # worker_init_fn has run, in this pass or as the worker started
-            self.watch.check(self.watched(), WorkerWatch.INIT)
+        if self._watch is not None:  # worker_init_fn has run, in this pass or as the worker started
+            self._watch.check(self._watched(), WorkerWatch.INIT)
 
     def __repr__(self) -> str:
         return f"WorkerReseeding({self.dataset!r})"
@@ -165,6 +170,6 @@ def _record_forked() -> None:
     """In a process just forked: each watched wrapper records its copy (bounded: a few µs each)."""
     for wrapper in list(_FORKABLE):
         try:
-            wrapper.watch.start(wrapper.watched())  # type: ignore[union-attr]
+            wrapper._watch.start(wrapper._watched())  # type: ignore[union-attr]
         except Exception:  # never fail a fork: that wrapper stays unwatched here
             continue
