@@ -11,6 +11,7 @@ anything but the step's own backward touched the window, and does the rest once 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -106,6 +107,13 @@ class Guard:
             handle.remove()
         OWNERSHIP.retire(self, self.owner.pending)
 
+    def __del__(self) -> None:
+        # Collected with its step in a reference cycle (a step made per instance, whose function holds the
+        # instance that holds the step): the handle's finalizer found the step's state gone, so the guard,
+        # still whole here (PEP 442), retires the step itself, its open window remembered.
+        with contextlib.suppress(Exception):  # (at interpreter exit the modules may be gone)
+            self.retire()
+
     def owned_ids(self) -> set[int]:
         """The ids of the step's parameters."""
         return self.params.ids()
@@ -136,28 +144,39 @@ class Guard:
         Raises:
             SpeedupsError: another step with an open window shares an optimizer with this one.
         """
-        others = OWNERSHIP.sharing_optimizers(self)
-        if others:  # a step no one can reach any more (a class redefined in a notebook) goes first
-            gc.collect()
-            others = OWNERSHIP.sharing_optimizers(self)
-        if not others:
+        if not OWNERSHIP.sharing_optimizers(self):
             return
+        # A step no one can reach any more (a class redefined in a notebook, an instance made anew) goes
+        # first: collected here, nothing of it held meanwhile (its function may hold the step's owner).
+        gc.collect()
+        message = self._shared_optimizer_message()
+        if message is not None:  # (raised from here: the traceback a notebook keeps holds no other step)
+            raise SpeedupsError(message)
+
+    def _shared_optimizer_message(self) -> str | None:
+        """What :meth:`refuse_shared_optimizer` says of the first other step over one of this step's
+        optimizers with an open window; None when there is none."""
+        others = OWNERSHIP.sharing_optimizers(self)
+        if not others:
+            return None
         other = others[0]
         mine = {id(opt) for opt in self.params.optimizers}
         shared = next(opt for opt in other.params.optimizers if id(opt) in mine)
         name, this = other.name(), self.name()
         if name == this:  # the same function, made twice (a cell run again, a factory called twice)
             name = "an earlier step made from the same definition"
-        raise SpeedupsError(
+        return (
             f"accumulate: {this} and {name} are two live @accumulate steps over one optimizer "
             f"({type(shared).__name__}), and the other's window is open ({other.owner.pending} of "
             f"{other.owner.every} micro-steps): this call's backward would add to that window, and each step "
             f"would step the optimizer at its own boundary on the other's half-accumulated gradients. Fix: "
             f"close the other's window first, `other_step.flush()` to apply it or `other_step.discard()` to "
-            f"drop it (a step no longer referenced anywhere is dropped by itself: `del other_step`); or "
-            f"one step returning the sum of the losses (`return main_loss + aux_loss`), or an optimizer per "
-            f"step (`accumulate(N, torch.optim.Adam(aux_head.parameters()))`); steps over one optimizer "
-            f"may take turns only window by window."
+            f"drop it (a step no longer referenced anywhere is dropped by itself: `del other_step`; in a "
+            f"notebook, an earlier step shown as a cell's output stays referenced by the output history: "
+            f"`Out[n].discard()`, or `%reset -f out`); or one step returning the sum of the losses "
+            f"(`return main_loss + aux_loss`), or an optimizer per step (`accumulate(N, "
+            f"torch.optim.Adam(aux_head.parameters()))`); steps over one optimizer may take turns only "
+            f"window by window."
         )
 
     def window_opens(self) -> None:
@@ -248,12 +267,12 @@ class Guard:
                 f"accumulate: the window starting at micro-step {self.owner.step + 1} found the gradients "
                 f"of a window {name} left open ({pending} of {every} micro-steps) when that step was "
                 f"replaced or deleted; they were dropped, and that window took no optimizer step. To apply "
-                f"an interrupted window, call `train_step.flush()` before redefining the step; to drop it "
-                f"without a word, `train_step.discard()`.",
+                f"an interrupted window, call the step's flush() before redefining it; to drop it without a "
+                f"word, its discard().",
             )
             return
         another_ran = OWNERSHIP.last != (self.token if self.ran else self.born_after)
-        if not strays or another_ran:
+        if not strays or another_ran:  # another step ran since: its backward made them
             return
         self._warn_once(
             "strays",

@@ -40,6 +40,15 @@ class Trainer:
 trainer = Trainer()
 train_step = trainer.train_step
 """
+CELL_INSTANCE = """
+class Trainer:
+    def __init__(self):
+        self.train_step = accumulate(4, optimizer)(self._step)  # a step made per instance
+    def _step(self, x, y):
+        return F.mse_loss(model(x), y){edit}
+trainer = Trainer()
+train_step = trainer.train_step
+"""
 CELL_LOOP = """
 for i, (x, y) in enumerate(batches):
     if i == stop_at:
@@ -75,7 +84,9 @@ def _hand_loop(batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("cell", [CELL_STEP, CELL_METHOD], ids=["function", "method of a class"])
+@pytest.mark.parametrize(
+    "cell", [CELL_STEP, CELL_METHOD, CELL_INSTANCE], ids=["function", "method of a class", "per instance"]
+)
 @pytest.mark.parametrize("collector", [True, False], ids=["gc on", "gc off"])
 def test_a_step_redefined_after_an_interrupted_window_runs_as_the_plain_loop(
     cell: str, collector: bool
@@ -94,8 +105,8 @@ def test_a_step_redefined_after_an_interrupted_window_runs_as_the_plain_loop(
         assert ns["train_step"].pending == 2 and ns["train_step"].num_updates == 1
         exec(cell.format(edit=" * 2.0"), ns)  # the cell, edited and run again
         ns["stop_at"] = None
-        told = r"a window (Trainer\.)?train_step \(defined at <string>:\d+\) left open \(2 of 4 micro-steps\)"
-        with pytest.warns(SpeedupsWarning, match=told + r".*dropped.*flush\(\).*discard\(\)"):
+        told = r"a window (Trainer\.)?_?(train_)?step \(defined at <string>:\d+\) left open \(2 of 4 micro-"
+        with pytest.warns(SpeedupsWarning, match=told + r"steps\).*dropped.*flush\(\).*discard\(\)"):
             exec(CELL_LOOP, ns)
     finally:
         if was_enabled:
