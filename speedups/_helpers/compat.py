@@ -294,9 +294,10 @@ def restarts_loader_workers() -> bool:
     """Whether this torch lets :func:`restart_loader_workers` swap a persistent loader's iterator mid-reset.
 
     ``DataLoader.__iter__`` with persistent workers calls ``self._iterator._reset(self)`` and then returns
-    ``self._iterator``, read again: an iterator put there during the reset is the one the loop gets (torch
-    1.7 to 2.14). Read from its source (else its names); ``_get_iterator`` and the multi-process iterator's
-    ``_shutdown_workers`` must exist too. False: persistent workers cannot be restarted for one epoch.
+    ``self._iterator``, read again: an iterator put there during the reset is the one the loop gets (so in
+    torch 2.4 to 2.14). Read from its source (else its names); ``_get_iterator`` and the multi-process
+    iterator's ``_shutdown_workers`` must exist too. False: persistent workers cannot be restarted for one
+    epoch (tests/data/test_changing_datasets.py checks it is True here).
     """
     from torch.utils.data import DataLoader, dataloader
 
