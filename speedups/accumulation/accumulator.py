@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from speedups._helpers import compat
+from speedups._helpers.notes import add_note
 from speedups._helpers.step_context import current_step
 from speedups.accumulation.checks import check_outer_autocast, refuse_freed_graph, refuse_reentry
 from speedups.accumulation.epoch_pass import EpochPass
@@ -131,8 +132,8 @@ class Accumulator:
                     guard.first_call()
                 try:
                     out.backward(torch.full_like(out, self.inv_every))  # what (loss / every).backward() sends
-                except RuntimeError as err:
-                    refuse_freed_graph(err, self.step)  # a loss.backward() left in the step: the fix
+                except BaseException as err:  # a loss.backward() left in the step: the fix; else a Ctrl-C
+                    self._backward_failed(err)  # or an error half-way: the window is dropped
                     raise
                 guard.noted_after()  # and a backward() inside the step, found by the version it added
         finally:
@@ -241,10 +242,29 @@ class Accumulator:
             window.keep_loss(detached, keep)
         try:
             self.window.backward(target, keep, weight, self.updater.scaler)
-        except RuntimeError as err:
-            refuse_freed_graph(err, self.step)
+        except BaseException as err:
+            self._backward_failed(err)
             raise
         return detached, n, keep, work
+
+    def _backward_failed(self, err: BaseException) -> None:
+        """The call's own backward raised: the fix for a ``loss.backward()`` left in the step (it freed the
+        graph before any gradient was added); otherwise (a Ctrl-C, out of memory, an error in a hook) part of
+        the call's gradients may be in the window already, so the window is dropped, and a note says so.
+
+        Raises:
+            SpeedupsError: the graph had been freed by a backward inside the step.
+        """
+        if isinstance(err, RuntimeError):
+            refuse_freed_graph(err, self.step)
+        dropped = self.drop_window()
+        add_note(
+            err,
+            f"speedups.accumulate: the step's backward stopped part-way (micro-step {self.step + 1}), after "
+            f"some of its gradients may have been added to the window, so the open accumulation window "
+            f"({dropped} call(s) with this one) was dropped: gradients set to None, train_step.pending is 0. "
+            f"Nothing was stepped.",
+        )
 
     def _complete(
         self, out: Any, boundary: bool, detached: torch.Tensor, n: Any, keep: Keep, work: Any

@@ -24,6 +24,7 @@ import torch
 
 from speedups._helpers import env, validate
 from speedups._helpers.environments import detect
+from speedups._helpers.notes import add_note
 from speedups.errors import SpeedupsError
 from speedups.parallel.process_group import destroy_distributed, init_distributed
 
@@ -174,7 +175,8 @@ def _run(
                     f"memory, a crash in native code, or os._exit() are the usual causes."
                 ) from err
             exc, text = reported
-            exc.add_note(  # type: ignore[attr-defined]
+            add_note(
+                exc,
                 f"(raised in process rank {rank} of {said}; its traceback is the cause above)"
             )
             exc.__cause__ = _ChildTraceback(text)

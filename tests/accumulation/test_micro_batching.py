@@ -440,3 +440,24 @@ def test_an_out_of_memory_retry_starts_from_the_buffers_and_random_streams_the_f
         assert torch.equal(a, b)
     watched = train_step._acc().micro.retry._watched
     assert watched is not None and not any(b is counted.mask for b in watched)  # the constant one is not
+
+
+def test_an_error_of_the_smaller_size_says_it_came_from_the_retry() -> None:
+    """Halved down to 1 row, batch norm cannot train ("Expected more than 1 value per channel"): torch's
+    message alone names nothing of the halving; the note does, and the window is as the call found it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @accumulate(2, opt, micro_batch_size="auto")
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        if len(x) > 1:
+            raise torch.OutOfMemoryError("simulated")
+        return F.cross_entropy(out, y)
+
+    with pytest.raises(ValueError, match="more than 1 value per channel") as caught:
+        step(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "run again at micro_batch_size=1 after running out of memory" in notes, notes
+    assert step.pending == 0 and all(p.grad is None for p in model.parameters())

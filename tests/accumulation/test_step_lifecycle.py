@@ -216,3 +216,49 @@ def test_dir_of_a_step_lists_its_api_and_the_function_s_own_names() -> None:
             return model(x).mean()
 
     assert wanted <= set(dir(Trainer().step))
+
+
+@pytest.mark.parametrize(
+    "form", ["mean loss (the short path)", "item counts", "micro-batches", "auto micro-batches"]
+)
+def test_a_ctrl_c_inside_the_step_s_backward_leaves_no_half_gradients_in_the_window(form: str) -> None:
+    """Ctrl-C lands in the step's own backward, after some parameters got their share: the window cannot be
+    trusted, so it is dropped (said in a note), and training goes on as the hand loop restarted there; a
+    call split by "auto" puts the window back as the call found it instead."""
+    x, y = linear_data(40)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 40, 8)]
+    model, ref = mlp(3, 8, 1), mlp(3, 8, 1)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
+    hit = {"on": False}
+
+    def interrupt(grad: torch.Tensor) -> torch.Tensor:  # on the first layer's output: after the head got its
+        if hit["on"]:
+            hit["on"] = False
+            raise KeyboardInterrupt
+        return grad
+
+    options = {"micro-batches": {"micro_batch_size": 4}, "auto micro-batches": {"micro_batch_size": "auto"}}
+
+    @accumulate(3, opt, **options.get(form, {}))
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> object:
+        h = model[0](xb)
+        h.register_hook(interrupt)
+        loss = F.mse_loss(model[2](model[1](h)), yb)
+        return (loss, len(yb)) if form == "item counts" else loss
+
+    train_step(*batches[0])
+    hit["on"] = True
+    with pytest.raises(KeyboardInterrupt) as caught:
+        train_step(*batches[1])
+    kept = form == "auto micro-batches"  # the window as the call found it
+    assert train_step.pending == (1 if kept else 0) and train_step.step == 1
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert kept or "window (2 call(s)" in notes, notes
+    for batch in batches[1:]:
+        train_step(*batch)
+    window = [batches[0], *batches[1:3]] if kept else batches[1:4]  # the dropped window's calls never count
+    for xb, yb in window:
+        (F.mse_loss(ref(xb), yb) / 3).backward()
+    ref_opt.step()
+    assert train_step.num_updates == 1
+    torch.testing.assert_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=1e-6)

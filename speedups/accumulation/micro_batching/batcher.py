@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from speedups._helpers.notes import add_note
 from speedups._helpers.oom import is_out_of_memory
 from speedups._helpers.tree import tree_map
 from speedups._helpers.validate import integer_or_auto, short
@@ -159,7 +160,7 @@ class MicroBatcher:
         self.retry = RetryState(model) if self.auto else None
         self.size: int | None = None if self.auto else int(micro_batch_size)
         self.split = split
-        self.backwards = 0  # micro-batch backwards run by the current call
+        self.backwards = 0  # micro-batch backwards the current call started
         self.plan = plan  # with memory_budget=: chooses the size and the checkpointed blocks
         self._planning = plan is not None  # until the plan's choice is taken
 
@@ -237,45 +238,54 @@ class MicroBatcher:
         rows, pieces = split
         params = host.trainable() if self.auto else []
         window = host.window_counts()  # undone when a try fails
-        retry = self.retry
+        retry, halved = self.retry, False
         while True:
             saved = _set_aside(params) if self.auto else None
             state = retry.take() if retry is not None else None
             try:
                 result = self._run(host, wrapped, rows, pieces)
                 break
-            except Exception as err:
+            except BaseException as err:  # a Ctrl-C too: the window is left whole or dropped, never half
                 host.restore_counts(window)
                 if retry is not None:
                     retry.pause()
                 if saved is not None and is_out_of_memory(err) and not host.retry_allowed(self.backwards):
                     _put_back(params, saved)  # what can be put back; the rest is FSDP2's
                     saved = None
-                    err.add_note(  # type: ignore[attr-defined]
+                    add_note(
+                        err,
                         "speedups.accumulate: micro_batch_size='auto' cannot retry this call: with FSDP2 the "
                         "other ranks go on with their collectives, and gradients of a backward run with sync "
-                        "off sit in FSDP2's own buffers. Give a fixed micro_batch_size that fits."
+                        "off sit in FSDP2's own buffers. Give a fixed micro_batch_size that fits.",
                     )
                 if saved is None:
                     if self.backwards:  # gradients of part of this call are in .grad: none can be trusted
                         dropped = host.drop_window()
-                        err.add_note(  # type: ignore[attr-defined]
+                        add_note(
+                            err,
                             f"speedups.accumulate: this call failed after {self.backwards} of its "
-                            f"micro-batches had run backward, so the open accumulation window ({dropped} "
+                            f"micro-batches had started backward, so the open accumulation window ({dropped} "
                             f"call(s)) was dropped: gradients set to None, train_step.pending is 0. Nothing "
-                            f"was stepped."
+                            f"was stepped.",
                         )
                     raise
-                _put_back(params, saved)
+                _put_back(params, saved)  # the window as the call found it: the call did not happen
                 largest = max((r or 0) for r, _, _ in pieces)
                 if not is_out_of_memory(err) or largest <= 1:
+                    if halved:  # the error of the smaller size, not of the call as written: say so
+                        add_note(
+                            err,
+                            f"speedups.accumulate: raised by the call run again at micro_batch_size="
+                            f"{self.size} after running out of memory with larger micro-batches (\"auto\"); "
+                            f"the window is as the call found it.",
+                        )
                     raise
             # Out of memory: outside the except block, so the traceback (and the graph) can be freed.
             del saved
             _release_memory()
             if retry is not None and state is not None:
                 retry.put_back(state)  # the retry starts from the buffers and RNG streams the try found
-            self.size = (largest + 1) // 2
+            self.size, halved = (largest + 1) // 2, True
             rows, pieces = self.pieces(args, kwargs)
         if saved is not None:
             _add_back(params, saved)
@@ -309,6 +319,7 @@ class MicroBatcher:
                         )
                     else:
                         weight = piece_rows / rows
+                    self.backwards += 1  # (counted as it starts: one that fails half-way left gradients)
                     host.backward_micro(loss, None, weight, first_piece=i == 0)
                     if single:
                         total = detached
@@ -318,13 +329,13 @@ class MicroBatcher:
                         total.add_(detached, alpha=weight)  # in place: one small op per micro-batch
                 else:
                     # A zero-item micro-batch adds nothing (its mean loss is NaN): keep says what counts.
+                    self.backwards += 1
                     keep = host.backward_micro(loss, n, 1.0, first_piece=i == 0)
                     part = detached if single else detached * n
                     if not single and keep is not None:
                         part = torch.where(keep, part, 0.0) if keep is not False else torch.zeros_like(part)
                     total = part if total is None else total + part
                     count = count + (n.detach() if isinstance(n, torch.Tensor) else n)
-            self.backwards += 1
             # Keep only detached extras: a kept output would hold its graph's tensors until the call ends.
             outs.append(tree_map(_detached, out) if isinstance(out, Mapping) else None)
         assert total is not None
