@@ -57,7 +57,8 @@ def live_wrapper_of(
     """
     with warnings.catch_warnings():  # isinstance on some of torch's objects warns of deprecations
         warnings.simplefilter("ignore")
-        found = [o for o in gc.get_objects() if isinstance(o, kinds)]
+        # type(), not isinstance: a weakref.proxy answers __class__ from its referent, or raises once it died
+        found = [o for o in gc.get_objects() if issubclass(type(o), kinds)]
     return next((w for w in found if any(id(p) in ids for p in w.parameters())), None)
 
 

@@ -59,3 +59,27 @@ def test_strip_prefixes_keeps_a_real_child_named_module() -> None:
     assert _wrappers.strip_prefixes({}) == {}
     mixed = {"module.a": 1, "b": 2}
     assert _wrappers.strip_prefixes(mixed) == mixed
+
+
+def test_live_wrapper_of_finds_a_ddp_like_wrapper_and_asks_no_dead_proxy() -> None:
+    """The scan of live objects meets weakref proxies whose referent died (they raise on any question)."""
+    import gc
+    import weakref
+
+    from speedups._helpers.wrappers import live_wrapper_of
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    dead = weakref.proxy(thing)  # tracked by gc through the list below
+    keep = [dead]
+    del thing
+    gc.collect()
+    model = nn.Linear(2, 2)
+    wrapper = nn.DataParallel(model)
+    ids = {id(p) for p in model.parameters()}
+    assert live_wrapper_of(ids) is wrapper
+    assert live_wrapper_of(ids, (nn.parallel.DistributedDataParallel,)) is None
+    assert live_wrapper_of({id(object())}) is None
+    del keep

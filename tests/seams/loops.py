@@ -178,6 +178,12 @@ def run_speedups(recipe: Recipe, folder: str | None = None) -> Outcome:
 
 
 def _speedups_part(recipe: Recipe, resume: str | None, save: str | None) -> Outcome:
+    with warnings.catch_warnings():  # a dataset that changes: its workers restart, and the loader says so
+        warnings.filterwarnings("ignore", "for batch in loader: .* starts fresh workers", Warning)
+        return _speedups_loop(recipe, resume, save)
+
+
+def _speedups_loop(recipe: Recipe, resume: str | None, save: str | None) -> Outcome:
     from speedups import (
         LossTracker,
         SpeedupsWarning,
