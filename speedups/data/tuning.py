@@ -10,6 +10,7 @@ compute threads (``torch.set_num_threads``), which otherwise fight for the same 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -17,11 +18,12 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -201,7 +203,10 @@ _PROBE_FIX = (
     "Time the model's work on a copy, without the update: probe = copy.deepcopy(model); "
     "tune_loader(loader, step=lambda batch: loss_fn(probe(batch[0]), batch[1]).backward())"
 )
-_ALLOWED = "The step given to tune_loader may run forward and backward, not an optimizer step"
+_ALLOWED = (
+    "The step given to tune_loader may run forward and backward, not an update: no optimizer.step(), "
+    "scheduler.step() or scaler.update()"
+)
 
 
 def _accumulate_step_of(obj: object) -> object | None:
@@ -282,17 +287,197 @@ def _refuse_accumulate_step(step: object, said: str) -> None:
         )
 
 
+_SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau: an LRScheduler only since torch 2.2
+
+
+class _TrainingState:
+    """What an update moves besides the weights and the optimizer state, as it was when tuning began.
+
+    Every live LR scheduler's ``state_dict()`` (``torch.optim.lr_scheduler.LRScheduler``,
+    ``ReduceLROnPlateau``), every live ``torch.optim.Optimizer``'s ``param_groups`` hyperparameters (lr,
+    momentum, betas, weight_decay, ...; every key but ``params``, and the groups themselves) and every
+    enabled ``torch.amp.GradScaler``'s ``state_dict()`` (its scale and growth tracker are read with
+    ``.item()``: a sync with CUDA, at each comparison). Found by one scan of the live objects (``gc``: about
+    35 ms per million objects) when tuning starts; one made later is not seen. Tensors are cloned, other
+    values kept as they are (numbers, and lists and tuples of them).
+    """
+
+    def __init__(self) -> None:
+        self.schedulers: list[tuple[Any, dict[str, Any]]] = []
+        # (optimizer, its groups, each group's values but params as (the value, a copy of it))
+        self.optimizers: list[tuple[torch.optim.Optimizer, list[dict[str, Any]], list[dict[str, Any]]]] = []
+        self.scalers: list[tuple[torch.amp.GradScaler, dict[str, Any]]] = []
+
+    @classmethod
+    def capture(cls) -> _TrainingState:
+        """Record the live schedulers, optimizers and enabled GradScalers as they are now."""
+        state = cls()
+        for obj in gc.get_objects():
+            kind = type(obj)  # type(), not isinstance: a proxy's __class__ is not asked
+            if issubclass(kind, _SCHEDULERS):
+                state.schedulers.append((obj, _cloned(obj.state_dict())))
+            elif issubclass(kind, torch.optim.Optimizer):
+                groups = list(obj.param_groups)
+                values = [{k: (v, _cloned(v)) for k, v in g.items() if k != "params"} for g in groups]
+                state.optimizers.append((obj, groups, values))
+            elif issubclass(kind, torch.amp.GradScaler) and obj.is_enabled():
+                state.scalers.append((obj, obj.state_dict()))
+        return state
+
+    def changes(self) -> list[str]:
+        """What moved since :meth:`capture`, one entry per object, e.g. ``"StepLR: last_epoch 0 -> 1"``."""
+        found = []
+        for scheduler, saved in self.schedulers:
+            moved = _moved(saved, scheduler.state_dict())
+            if moved:
+                found.append(f"{type(scheduler).__name__}: {moved}")
+        for optimizer, groups, values in self.optimizers:
+            name = type(optimizer).__name__
+            if len(optimizer.param_groups) != len(groups) or any(
+                a is not b for a, b in zip(optimizer.param_groups, groups, strict=False)
+            ):
+                found.append(f"{name}.param_groups: {len(groups)} group(s) -> {len(optimizer.param_groups)}")
+            for i, (group, saved_group) in enumerate(zip(groups, values, strict=True)):
+                saved = {k: copy for k, (_, copy) in saved_group.items()}
+                moved = _moved(saved, {k: v for k, v in group.items() if k != "params"})
+                if moved:
+                    found.append(f"{name}.param_groups[{i}]: {moved}")
+        for scaler, saved in self.scalers:
+            moved = _moved(saved, scaler.state_dict())
+            if moved:
+                found.append(f"{type(scaler).__name__}: {moved}")
+        return found
+
+    def put_back(self) -> None:
+        """Put back exactly what moved: each scheduler's ``load_state_dict``, each hyperparameter (the same
+        object, a tensor's values copied back in place), each scaler's ``load_state_dict``, after clearing
+        what ``scaler.scale()``/``unscale_()``/``step()`` left for the iteration (``update(new_scale=)``
+        with the scale it had: a record left there would make the first real ``scaler.step()`` skip its
+        unscaling and step on gradients 65,536 times too large)."""
+        for scheduler, saved in self.schedulers:
+            if _moved(saved, scheduler.state_dict()):
+                scheduler.load_state_dict(_cloned(saved))
+        with torch.no_grad():
+            for optimizer, groups, values in self.optimizers:
+                if len(optimizer.param_groups) != len(groups) or any(
+                    a is not b for a, b in zip(optimizer.param_groups, groups, strict=False)
+                ):
+                    optimizer.param_groups[:] = groups
+                for group, saved_group in zip(groups, values, strict=True):
+                    for key in [k for k in group if k != "params" and k not in saved_group]:
+                        del group[key]
+                    for key, (value, copy) in saved_group.items():
+                        if key not in group or group[key] is not value or not _same(copy, value):
+                            _copy_into(value, copy)
+                            group[key] = value
+        for scaler, saved in self.scalers:
+            with suppress(AssertionError):  # never scaled (no scale tensor): nothing to clear
+                scaler.update(new_scale=float(saved["scale"]))
+            if _moved(saved, scaler.state_dict()):
+                scaler.load_state_dict(saved)
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor in it cloned (in dicts, lists and tuples); other objects as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _copy_into(value: Any, saved: Any) -> None:
+    """Copy the tensors of ``saved`` (a :func:`_cloned` copy of ``value``) back into ``value``'s, in place."""
+    if isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if value.shape == saved.shape and value.dtype == saved.dtype:
+            value.copy_(saved)
+    elif isinstance(value, dict) and isinstance(saved, dict):
+        for k in value.keys() & saved.keys():
+            _copy_into(value[k], saved[k])
+    elif isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)) and len(value) == len(saved):
+        for v, c in zip(value, saved, strict=True):
+            _copy_into(v, c)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two recorded values are bitwise the same: tensors by dtype, shape and values (NaN equal to
+    NaN), containers element by element, other values by identity or ``==``."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+            return False
+        if torch.equal(a, b):
+            return True
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:  # NaN
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a bool (an array): only identity counts
+        return False
+
+
+def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """The keys of ``now`` that differ from ``saved``, as ``"key old -> new"`` (the first three; public
+    names first), or ``""``."""
+    keys = sorted(dict.fromkeys([*saved, *now]), key=lambda k: str(k).startswith("_"))
+    moved = [
+        f"{key} {_shown(saved.get(key, _NONE))} -> {_shown(now.get(key, _NONE))}"
+        if _plain(saved.get(key)) and _plain(now.get(key))
+        else f"{key} changed"
+        for key in keys
+        if key not in saved or key not in now or not _same(saved[key], now[key])
+    ]
+    return ", ".join(moved[:3]) + (f" (and {len(moved) - 3} more)" if len(moved) > 3 else "")
+
+
+_NONE = "(none)"  # a key that is not there, in a message
+
+
+def _plain(value: Any) -> bool:
+    """Whether a message shows ``value`` (a number, a one-element tensor, or a short list or tuple of them)
+    or only says it changed (a sub-scheduler's state, ...)."""
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 4 and all(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _shown(value: Any) -> str:
+    """A recorded value in a message: a one-element tensor as its number, anything else cut short."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return repr(value.item())
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_shown(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return value if value is _NONE else short(value, limit=40)
+
+
 class _NoUpdates:
-    """The step as ``tune_loader`` calls it: an optimizer step inside it is refused before it changes a thing.
+    """The step as ``tune_loader`` calls it: an optimizer step inside it is refused before it changes a thing,
+    and the rest of the training state it moves is put back and refused.
 
     While tuning, one global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, removed
     after) raises :class:`~speedups.SpeedupsError` when a ``torch.optim.Optimizer`` steps inside a
     call of the step in this thread: the weights and the optimizer's state are as they were. A step that
-    catches the error and goes on is refused when it returns.
+    catches the error and goes on is refused when it returns. What an update moves besides (a scheduler, the
+    optimizers' hyperparameters, a GradScaler: :class:`_TrainingState`) is compared after calls 1, 2, 4, 8,
+    ... and when tuning ends (:meth:`check`); a change is put back, then refused.
     """
 
-    def __init__(self, step: Callable[[Any], object], said: str) -> None:
-        self.step, self.said = step, said
+    def __init__(self, step: Callable[[Any], object], said: str, state: _TrainingState) -> None:
+        self.step, self.said, self.state = step, said, state
         self.calls = 0
         self.thread: int | None = None  # the thread inside a call of the step, None between calls
         self.refused = ""
@@ -306,7 +491,27 @@ class _NoUpdates:
             self.thread = None
         if self.refused:  # the step caught the refusal and went on: the optimizer still did not step
             raise SpeedupsError(self.refused)
+        if self.calls & (self.calls - 1) == 0:  # calls 1, 2, 4, 8, ...: log2(calls) comparisons in all
+            self.check()
         return out
+
+    def check(self) -> None:
+        """Refuse a step that moved a scheduler, a hyperparameter or a GradScaler, once they are put back.
+
+        Raises:
+            SpeedupsError: something moved since tuning began; it is as it was before tuning now.
+        """
+        changes = self.state.changes()
+        if not changes:
+            return
+        self.state.put_back()
+        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+        raise SpeedupsError(
+            f"{self.said}: the step moved the training state by timed batch {self.calls}: {shown}. Run on "
+            f"every timed batch (thousands), it would move it before training starts (a "
+            f"StepLR(step_size=100, gamma=0.5) stepped at each timed batch left lr at 4.5e-14 after 1 s); it "
+            f"is put back exactly as it was before tuning. {_ALLOWED}. {_PROBE_FIX}."
+        )
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.thread is None or self.thread != threading.get_ident():
@@ -334,16 +539,25 @@ def _closing(bar: Any) -> Iterator[None]:
 def _updates_refused(
     step: Callable[[Any], object] | None, said: str
 ) -> Iterator[Callable[[Any], object] | None]:
-    """``step`` wrapped in :class:`_NoUpdates`, with its optimizer step pre-hook registered for the block."""
+    """``step`` wrapped in :class:`_NoUpdates`, with its optimizer step pre-hook registered for the block and
+    the training state (:class:`_TrainingState`) recorded when it starts, checked when it ends and put back
+    whatever ends it.
+
+    Raises:
+        SpeedupsError: the block ended well and the state moved (put back first).
+    """
     if step is None:
         yield None
         return
-    guarded = _NoUpdates(step, said)
+    state = _TrainingState.capture()
+    guarded = _NoUpdates(step, said, state)
     handle = register_optimizer_step_pre_hook(guarded.before_optimizer_step)
     try:
         yield guarded
+        guarded.check()  # a step that moved something after the last power-of-two call
     finally:
         handle.remove()
+        state.put_back()  # a no-op where nothing moved; an error in flight keeps its own message
 
 
 def tune_loader(
@@ -368,7 +582,11 @@ def tune_loader(
     cores, as in training. The step must not train, since it runs on thousands of batches: one that is or
     calls an ``@accumulate`` step is refused before anything runs, and an optimizer step inside it (any
     ``torch.optim.Optimizer``, seen by a global step pre-hook while tuning) is refused when it comes, before
-    that optimizer changes anything. Give it the step's work without the update, on a copy of the model.
+    that optimizer changes anything. The LR schedulers, the optimizers' hyperparameters (``param_groups``)
+    and the GradScalers alive when tuning starts are recorded (one ``gc`` scan) and compared after timed
+    calls 1, 2, 4, 8, ... and at the end: a step that moved them (``scheduler.step()``, ``scaler.update()``)
+    is refused once they are put back exactly. Give it the step's work without the update, on a copy of the
+    model.
 
     Compute threads (``num_threads="auto"`` with a ``step``): the CPUs this process may use are split
     between loading and compute. First the step runs at the plan's fewest workers ``w`` with
@@ -413,9 +631,10 @@ def tune_loader(
         TypeError: ``loader`` is not a plain DataLoader (a subclass such as ``distributed()``'s would lose
             its behaviour: tune first, then wrap), or an argument has the wrong type.
         ValueError: ``max_seconds`` not > 0 and finite, ``num_threads`` < 1, or a malformed candidate.
-        SpeedupsError: ``step`` is, wraps or calls by name an ``@accumulate`` step (nothing has run), or it
+        SpeedupsError: ``step`` is, wraps or calls by name an ``@accumulate`` step (nothing has run), it
             stepped an optimizer (refused before that optimizer changed anything; the gradients its backward
-            left stay).
+            left stay), or it moved an LR scheduler, an optimizer's hyperparameters or a GradScaler (put
+            back exactly first).
 
     Example:
         >>> loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)

@@ -622,7 +622,8 @@ def _plain_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: li
 
 
 _FIX = (
-    r"The step given to tune_loader may run forward and backward, not an optimizer step\. Time the model's "
+    r"The step given to tune_loader may run forward and backward, not an update: no optimizer\.step\(\), "
+    r"scheduler\.step\(\) or scaler\.update\(\)\. Time the model's "
     r"work on a copy, without the update: probe = copy\.deepcopy\(model\); tune_loader\(loader, "
     r"step=lambda batch: loss_fn\(probe\(batch\[0\]\), batch\[1\]\)\.backward\(\)\)\.$"
 )
@@ -718,17 +719,20 @@ def test_a_step_that_steps_an_optimizer_is_refused_before_the_optimizer_changes_
 
 
 def test_a_step_without_an_update_is_timed_and_other_threads_optimizers_are_left_alone() -> None:
-    """What the message asks for runs: forward and backward on a copy, the real model as it was. An optimizer
-    stepping in another thread while tune_loader runs is not the step's and is not refused."""
+    """What the message asks for runs: forward and backward on a copy (scaled by the run's GradScaler, as
+    the loop does), the real model, its scheduler and scaler as they were. An optimizer stepping in another
+    thread while tune_loader runs is not the step's and is not refused."""
     model, loader = _regression()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = _snapshot(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    before, state = _snapshot(model, opt), _training_state(opt, sched, scaler)
     probe = copy.deepcopy(model)
     calls: list[int] = []
 
     def work(batch: list) -> None:
         calls.append(1)
-        F.mse_loss(probe(batch[0]), batch[1]).backward()
+        scaler.scale(F.mse_loss(probe(batch[0]), batch[1])).backward()
         if len(calls) == 1:  # another thread's training, during the timing
             other = torch.nn.Linear(2, 1)
             other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
@@ -745,3 +749,251 @@ def test_a_step_without_an_update_is_timed_and_other_threads_optimizers_are_left
     )
     assert calls and report.trials[0].batches > 0
     _assert_unchanged(model, opt, before)
+    _assert_same_state(_training_state(opt, sched, scaler), state)
+
+
+# ------------------------------------------ tune_loader(step=): schedulers, hyperparameters and scalers
+def _scheduled(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, DataLoader]:
+    """A model, its optimizer and a scheduler of ``kind`` (None: no scheduler)."""
+    model, loader = _regression()
+    if kind == "CosineAnnealingLR, tensor lr":  # a tensor lr: the scheduler fills it in place
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lr = torch.optim.lr_scheduler
+    make = {
+        "StepLR": lambda: lr.StepLR(opt, step_size=2, gamma=0.5),
+        "OneCycleLR": lambda: lr.OneCycleLR(opt, max_lr=0.2, total_steps=100),  # lr and momentum move
+        "LambdaLR": lambda: lr.LambdaLR(opt, lambda epoch: 0.9**epoch),
+        "SequentialLR": lambda: lr.SequentialLR(
+            opt, [lr.LinearLR(opt, 0.5, total_iters=3), lr.ExponentialLR(opt, 0.9)], milestones=[3]
+        ),
+        "ReduceLROnPlateau": lambda: lr.ReduceLROnPlateau(opt, patience=0),
+        "CosineAnnealingLR, tensor lr": lambda: lr.CosineAnnealingLR(opt, T_max=10),
+        "none": lambda: None,
+    }
+    return model, opt, make[kind](), loader
+
+
+def _step_schedule(sched: object, loss: torch.Tensor) -> None:
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        sched.step(loss.item())
+    elif sched is not None:
+        sched.step()  # type: ignore[attr-defined]
+
+
+def _scheduled_steps(model, opt, sched, batches: list, scaler=None) -> list[float]:
+    """The plain loop with a schedule (and a GradScaler): the reference the tests below end on. Returns the
+    lr after each step."""
+    lrs = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        _step_schedule(sched, loss)
+        lrs.append(float(opt.param_groups[0]["lr"]))
+    return lrs
+
+
+def _training_state(opt, sched=None, scaler=None) -> tuple:
+    """What an update moves besides the weights: each group's values (tensors cloned), the scheduler's and
+    the scaler's state_dict."""
+    groups = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]  # fmt: skip
+    return (
+        groups,
+        None if sched is None else copy.deepcopy(sched.state_dict()),
+        None if scaler is None else scaler.state_dict(),
+    )
+
+
+def _assert_same_state(now: tuple, before: tuple) -> None:
+    """Bitwise: tensors by dtype and values, everything else by ==, element by element."""
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))  # type: ignore[arg-type]
+        return a == b
+
+    assert same(now, before), (now, before)
+
+
+def _assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+_KINDS = [
+    "StepLR",
+    "OneCycleLR",
+    "LambdaLR",
+    "SequentialLR",
+    "ReduceLROnPlateau",
+    "CosineAnnealingLR, tensor lr",
+]
+_MOVED = (
+    r"^tune_loader\(step=step\): the step moved the training state by timed batch {n}: (?=.*{what}).*\. "
+    r"Run on every timed batch \(thousands\), it would move it before training starts \(.*\); it is put "
+    r"back exactly as it was before tuning\. The step given to tune_loader may run forward and backward, "
+    r"not an update: no optimizer\.step\(\), scheduler\.step\(\) or scaler\.update\(\)\. Time the model's "
+    r"work on a copy"
+)
+_ONE = {"candidates": [{"num_workers": 0}], "progress": False, "num_threads": None}
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_a_step_that_steps_a_scheduler_is_refused_and_the_schedule_put_back_exactly(kind: str) -> None:
+    """The trial's field case: 'the loop body minus optimizer.step()' still called sched.step(); 1 s of
+    tuning left StepLR(step_size=100, gamma=0.5) at last_epoch 4144 and lr 4.5e-14, silently. Refused after
+    the first timed call, the scheduler's state_dict and every param_group value bitwise as before (a tensor
+    lr the same tensor), and training then follows the plain loop that never called tune_loader."""
+    model, opt, sched, loader = _scheduled(kind)
+    reference, ref_opt, ref_sched, _ = _scheduled(kind)
+    batches = list(loader)
+    _scheduled_steps(model, opt, sched, batches[:3])  # mid-schedule
+    _scheduled_steps(reference, ref_opt, ref_sched, batches[:3])
+    before, lr_object = _training_state(opt, sched), opt.param_groups[0]["lr"]
+    probe = copy.deepcopy(model)
+
+    def step(batch: list) -> None:
+        loss = F.mse_loss(probe(batch[0]), batch[1])
+        loss.backward()
+        _step_schedule(sched, loss + 1)  # ReduceLROnPlateau: a worse loss, every time
+
+    what = (
+        "ReduceLROnPlateau: " if kind == "ReduceLROnPlateau" else rf"{kind.split(',')[0]}: last_epoch 3 -> 4"
+    )
+    with pytest.raises(SpeedupsError, match=_MOVED.format(n=1, what=what)):
+        tune_loader(loader, step=step, max_seconds=1, **_ONE)
+    _assert_same_state(_training_state(opt, sched), before)
+    assert opt.param_groups[0]["lr"] is lr_object
+    lrs = _scheduled_steps(model, opt, sched, batches[3:7])
+    assert lrs == _scheduled_steps(reference, ref_opt, ref_sched, batches[3:7])
+    _assert_same_weights(model, reference)
+    _assert_same_state(_training_state(opt, sched), _training_state(ref_opt, ref_sched))
+
+
+_BY_HAND = {
+    "lr set": lambda opt, extra: opt.param_groups[0].__setitem__("lr", opt.param_groups[0]["lr"] * 0.5),
+    "tensor lr in place": lambda opt, extra: opt.param_groups[0]["lr"].mul_(0.5),
+    "betas": lambda opt, extra: opt.param_groups[0].__setitem__("betas", (0.8, 0.99)),
+    "weight_decay": lambda opt, extra: opt.param_groups[0].__setitem__("weight_decay", 0.1),
+    "a key added": lambda opt, extra: opt.param_groups[0].__setitem__("warmup", 1),
+    "a group added": lambda opt, extra: opt.add_param_group({"params": [extra]}),
+}
+
+
+@pytest.mark.parametrize("change", list(_BY_HAND))
+def test_a_step_that_changes_hyperparameters_by_hand_is_refused_and_they_are_put_back(change: str) -> None:
+    """A warm-up or schedule written by hand (param_groups edited in the step) is the same fault as a
+    scheduler: refused after the first call, every group bitwise as before (a tensor lr the same tensor with
+    its value back), and Adam then trains as the plain loop."""
+    lr = torch.tensor(0.01) if change == "tensor lr in place" else 0.01
+    model, loader = _regression()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=copy.deepcopy(lr))
+    batches = list(loader)
+    _scheduled_steps(model, opt, None, batches[:2])
+    _scheduled_steps(reference, ref_opt, None, batches[:2])
+    before, groups, lr_object = _training_state(opt), list(opt.param_groups), opt.param_groups[0]["lr"]
+    probe, extra = copy.deepcopy(model), torch.nn.Parameter(torch.zeros(2))
+
+    def step(batch: list) -> None:
+        F.mse_loss(probe(batch[0]), batch[1]).backward()
+        _BY_HAND[change](opt, extra)
+
+    what = (
+        r"Adam\.param_groups: 1 group\(s\) -> 2"
+        if change == "a group added"
+        else r"Adam\.param_groups\[0\]: "
+    )
+    with pytest.raises(SpeedupsError, match=_MOVED.format(n=1, what=what)):
+        tune_loader(loader, step=step, max_seconds=1, **_ONE)
+    _assert_same_state(_training_state(opt), before)
+    assert opt.param_groups == groups and opt.param_groups[0]["lr"] is lr_object
+    _scheduled_steps(model, opt, None, batches[2:5])
+    _scheduled_steps(reference, ref_opt, None, batches[2:5])
+    _assert_same_weights(model, reference)
+
+
+def test_a_state_moved_after_the_first_call_is_refused_at_the_next_check_or_when_tuning_ends() -> None:
+    """Compared after calls 1, 2, 4, 8, ... and at the end: a scheduler stepped from call 3 on is seen at
+    call 4, one stepped at call 5 of 5 when tuning ends; both put back exactly."""
+    model, opt, sched, loader = _scheduled("StepLR")
+    before = _training_state(opt, sched)
+    probe = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def from_call(first: int, last: int):
+        def step(batch: list) -> None:
+            calls.append(1)
+            F.mse_loss(probe(batch[0]), batch[1]).backward()
+            if first <= len(calls) <= last:
+                sched.step()
+
+        return step
+
+    with pytest.raises(SpeedupsError, match=_MOVED.format(n=4, what="StepLR: last_epoch 0 -> 2")):
+        tune_loader(loader, step=from_call(3, 10**9), max_seconds=1, **_ONE)
+    assert len(calls) == 4
+    _assert_same_state(_training_state(opt, sched), before)
+    calls.clear()
+    with pytest.raises(SpeedupsError, match=_MOVED.format(n=5, what="StepLR: last_epoch 0 -> 1")):
+        tune_loader(loader, step=from_call(5, 5), max_seconds=0.5, **_ONE)
+    assert len(calls) == 5  # the budget's last call: no power of two checked it, the end did
+    _assert_same_state(_training_state(opt, sched), before)
+
+
+def _scaled(seed_scale: float = 2.0**10) -> tuple:
+    """A model with SGD, a StepLR and an enabled CPU GradScaler, two plain scaled steps in, and its twin."""
+    made = []
+    for _ in range(2):
+        model, opt, sched, loader = _scheduled("StepLR")
+        scaler = torch.amp.GradScaler("cpu", init_scale=seed_scale, growth_interval=3)
+        _scheduled_steps(model, opt, sched, list(loader)[:2], scaler)
+        made.append((model, opt, sched, scaler))
+    return (*made, loader)
+
+
+@pytest.mark.parametrize("update", ["unscale_ and update", "scaler.step and update"])
+def test_a_step_that_updates_a_grad_scaler_is_refused_and_the_scaler_trains_as_before(update: str) -> None:
+    """'unscale_ and update': the step leaves the optimizer out but updates the scaler, moving its growth
+    tracker (and at growth_interval its scale): refused after call 1, the scaler's state_dict put back.
+    'scaler.step and update': the optimizer step inside scaler.step is refused, and the scaler's record of
+    that iteration (unscaled, for that optimizer) is cleared: left there, the first real scaler.step skipped
+    its unscaling and stepped on gradients 1,024 times too large (weights thousands off). Both then train
+    bitwise as the plain loop with the same scaler, scheduler and optimizer."""
+    (model, opt, sched, scaler), (reference, ref_opt, ref_sched, ref_scaler), loader = _scaled()
+    before = _training_state(opt, sched, scaler)
+
+    def step(batch: list) -> None:
+        scaler.scale(F.mse_loss(model(batch[0]), batch[1])).backward()
+        if update == "unscale_ and update":
+            scaler.unscale_(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+
+    if update == "unscale_ and update":
+        refused = _MOVED.format(n=1, what="GradScaler: scale 1024.0 -> 2048.0, _growth_tracker 2 -> 0")
+    else:
+        refused = r"^tune_loader\(step=step\): the step called SGD\.step\(\) on timed batch 1: "
+    with pytest.raises(SpeedupsError, match=refused):
+        tune_loader(loader, step=step, max_seconds=1, **_ONE)
+    _assert_same_state(_training_state(opt, sched, scaler), before)
+    batches = list(loader)[2:6]
+    lrs = _scheduled_steps(model, opt, sched, batches, scaler)
+    assert lrs == _scheduled_steps(reference, ref_opt, ref_sched, batches, ref_scaler)
+    _assert_same_weights(model, reference)
+    _assert_same_state(_training_state(opt, sched, scaler), _training_state(ref_opt, ref_sched, ref_scaler))
