@@ -166,9 +166,10 @@ class Guard:
         if name == this:  # the same function, made twice (a cell run again, a factory called twice)
             name = "an earlier step made from the same definition"
         return (
-            f"accumulate: {this} and {name} are two live @accumulate steps over one optimizer "
-            f"({type(shared).__name__}), and the other's window is open ({other.owner.pending} of "
-            f"{other.owner.every} micro-steps): this call's backward would add to that window, and each step "
+            f"accumulate: {this} and {name} are two @accumulate steps over one optimizer "
+            f"({type(shared).__name__}), both alive, and the other's window is open "
+            f"({other.owner.pending} of {other.owner.every} micro-steps): this call's backward would add to "
+            f"that window, and each step "
             f"would step the optimizer at its own boundary on the other's half-accumulated gradients. Fix: "
             f"close the other's window first, `other_step.flush()` to apply it or `other_step.discard()` to "
             f"drop it (a step no longer referenced anywhere is dropped by itself: `del other_step`; in a "

@@ -138,8 +138,8 @@ def test_two_steps_over_one_optimizer_are_refused_while_the_other_window_is_open
     main(x)
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(SpeedupsError, match=r"<lambda> \(defined at .*:136\) and .*<lambda> \(defined at "
-                       r".*:135\) are two live @accumulate steps over one optimizer \(SGD\).*window is open "
-                       r"\(1 of 2.*discard\(\).*return main_loss \+ aux_loss"):
+                       r".*:135\) are two @accumulate steps over one optimizer \(SGD\), both alive.*window "
+                       r"is open \(1 of 2.*discard\(\).*return main_loss \+ aux_loss"):
         aux(x)
     assert aux.step == 0
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))

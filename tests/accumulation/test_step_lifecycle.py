@@ -130,7 +130,7 @@ def test_a_step_still_reachable_is_named_with_where_each_was_defined_and_can_be_
     message = str(caught.value)
     told = (
         r"train_step \(defined at <string>:2\) and an earlier step made from the same definition are two "
-        r"live @accumulate steps over one optimizer \(SGD\), and the other's window is open \(2 of 4 "
+        r"@accumulate steps over one optimizer \(SGD\), both alive, and the other's window is open \(2 of 4 "
         r"micro-steps\).*flush\(\).*discard\(\)"
     )
     assert re.search(told, message), message
