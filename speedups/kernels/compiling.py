@@ -58,8 +58,10 @@ def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options
         TypeError: ``model`` is not an ``nn.Module``; ``names`` is not a name, pattern, class or list; an
             option ``torch.compile`` does not take.
         ValueError: ``names`` is empty or an entry matches no submodule (the message lists the blocks).
-        SpeedupsError: a block picked lies inside or around one already compiled (by this or by
-            ``module.compile()``). Nothing is compiled when it raises.
+        SpeedupsError: a block picked is, lies inside or lies around one already compiled: by
+            ``compile_blocks`` (undo it with :func:`uncompile_blocks` first), or by hand with
+            ``module.compile()``, which ``uncompile_blocks`` does not undo (the message gives the call
+            without those blocks). Nothing is compiled when it raises.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -80,16 +82,7 @@ def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options
     picked = pick_modules(model, names, call, done="compiled")
     if not enabled:
         return model
-    done = [(n, m) for n, m in unwrap(model).named_modules() if _compiled(m)]
-    for name, module in picked:
-        clash = next((n for n, m in done if m is module or overlaps(m, module)), None)
-        if clash is not None:
-            same = unwrap(model).get_submodule(clash) is module
-            where = "is already compiled" if same else f"lies inside or around {clash!r}, which is compiled"
-            raise SpeedupsError(
-                f"{call}: {name!r} {where} (by compile_blocks or module.compile()). Call "
-                f"uncompile_blocks(model) first, then compile the blocks you want in one call."
-            )
+    _refuse_compiled(unwrap(model), names, picked, call, options)
     for _, module in picked:
         module.compile(**options)
         setattr(module, _ATTR, dict(options))
@@ -98,6 +91,9 @@ def compile_blocks(model: M, names: NameSpec, *, enabled: bool = True, **options
 
 def uncompile_blocks(model: M, names: NameSpec | None = None) -> M:
     """Undo :func:`compile_blocks`: the blocks run eagerly again (their compiled code is dropped).
+
+    Only what :func:`compile_blocks` compiled: a module compiled by hand (``module.compile()``) stays
+    compiled (torch has no public undo for it, and an undo here would drop code the user asked for).
 
     Args:
         model: the model given to :func:`compile_blocks` (or its wrapper).
@@ -126,6 +122,64 @@ def compiled_blocks(model: nn.Module) -> list[str]:
     return [
         n for n, m in unwrap(model).named_modules() if getattr(m, _ATTR, None) is not None and _compiled(m)
     ]
+
+
+def _refuse_compiled(
+    root: nn.Module, names: NameSpec, picked: list[tuple[str, nn.Module]], call: str, options: dict[str, Any]
+) -> None:
+    """Refuse blocks that are compiled already, or lie inside or around one that is, with the fix that works:
+    :func:`uncompile_blocks` for what :func:`compile_blocks` compiled; for a module compiled by hand
+    (``module.compile()``: torch has no public undo, and :func:`uncompile_blocks` leaves what it did not do
+    alone), the call without the blocks it clashes with, or that ``compile()`` call left out.
+
+    Raises:
+        SpeedupsError: a clash; nothing is compiled.
+    """
+    done = [(n, m) for n, m in root.named_modules() if _compiled(m)]
+
+    def clash_of(module: nn.Module, among: list[tuple[str, nn.Module]]) -> str | None:
+        return next((n for n, m in among if m is module or overlaps(m, module)), None)
+
+    by_hand = [(n, m) for n, m in done if getattr(m, _ATTR, None) is None]
+    for name, module in picked:
+        hand = clash_of(module, by_hand)
+        clash = hand if hand is not None else clash_of(module, done)
+        if clash is None:
+            continue
+        same = root.get_submodule(clash) is module
+        where = "is already compiled" if same else f"lies inside or around {clash!r}, which is compiled"
+        if hand is None:
+            raise SpeedupsError(
+                f"{call}: {name!r} {where} by compile_blocks. Call uncompile_blocks(model) first, then "
+                f"compile the blocks you want in one call."
+            )
+        shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        args = f", {shown}" if shown else ""
+        by = "model.compile(...)" if clash == "" else f"model.get_submodule({clash!r}).compile(...)"
+        rest = [n for n, m in picked if clash_of(m, by_hand) is None]
+        fixes = [f"remove that {by} call and let compile_blocks compile the blocks: compile_blocks(model, "
+                 f"{_shown(names, picked)}{args})"]  # fmt: skip
+        if rest:
+            fixes.insert(0, f"leave it out: compile_blocks(model, {_shown(rest)}{args})")
+        raise SpeedupsError(
+            f"{call}: {name!r} {where} by its own compile() ({by}, not compile_blocks). uncompile_blocks "
+            f"undoes only what compile_blocks compiled, and torch has no public undo for "
+            f"nn.Module.compile(); compiling here too would compile one call twice. "
+            f"{_sentence('; or '.join(fixes))}."
+        )
+
+
+def _shown(names: NameSpec, picked: list[tuple[str, nn.Module]] | None = None) -> str:
+    """Names as a message's code writes them: one name alone; with ``picked``, the names as the user gave
+    them where they are strings, else (a class among them) the dotted names picked."""
+    given = [names] if isinstance(names, (str, type)) else list(names)
+    if picked is not None and not all(isinstance(n, str) for n in given):
+        given = [n for n, _ in picked]
+    return repr(given[0]) if len(given) == 1 else repr(given)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _compiled(module: nn.Module) -> bool:

@@ -6,6 +6,7 @@ backend="eager" (dynamo traces, nothing is lowered) must be bitwise eager; induc
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -18,9 +19,12 @@ from speedups import (
     checkpoint_activations,
     compile_blocks,
     mixed_precision,
+    uncheckpoint_activations,
     uncompile_blocks,
 )
+from speedups._helpers import compat
 from speedups.kernels.compiling import compiled_blocks
+from speedups.memory.activation_checkpointing import checkpointed as checkpointed_blocks
 from tests._models import Blocks
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -187,16 +191,92 @@ def test_bad_input_is_refused_before_any_block_is_compiled() -> None:
     )
     assert compile_blocks(model, "blocks.*", enabled=False) is model and compiled_blocks(model) == []
     compile_blocks(model, "blocks.0", backend="eager")
-    with pytest.raises(SpeedupsError, match=r"'blocks.0' is already compiled .*uncompile_blocks"):
+    with pytest.raises(
+        SpeedupsError, match=r"'blocks.0' is already compiled by compile_blocks\. Call uncompile"
+    ):
         compile_blocks(model, "blocks.*", backend="eager")
     assert compiled_blocks(model) == ["blocks.0"]  # blocks.1 was not compiled before the refusal
     model.out.compile(backend="eager")  # by hand
-    with pytest.raises(
-        SpeedupsError, match=r"'out' is already compiled \(by compile_blocks or module.compile\(\)\)"
-    ):
+    with pytest.raises(SpeedupsError, match=r"'out' is already compiled by its own compile\(\)"):
         compile_blocks(model, "out")
-    with pytest.raises(SpeedupsError, match=r"'' lies inside or around 'blocks.0', which is compiled"):
+    with pytest.raises(SpeedupsError, match=r"'' lies inside or around 'out', which is compiled by its own"):
         compile_blocks(model, "")  # the whole model, around a compiled block
+
+
+def _eager_outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return model(x)
+
+
+def test_each_refusal_of_a_compiled_block_names_a_fix_that_works_when_applied() -> None:
+    """The trial: model[0].compile() by hand, then compile_blocks(model, '*') was refused with 'Call
+    uncompile_blocks(model) first', and uncompile_blocks was a no-op (it undoes only what compile_blocks
+    did): the same refusal again. Each message's code is run here as written: uncompile_blocks for a block
+    compile_blocks compiled; for one compiled by hand (itself, inside or around a block picked, or the whole
+    model), the call without the blocks it clashes with, or the call on a model without that compile()
+    call. Each then runs bitwise as the eager model (eager backend), the hand-compiled block still compiled
+    (uncompile_blocks leaves it alone: speedups did not compile it)."""
+    x = torch.randn(4, 3)
+    want = _eager_outputs(Blocks(depth=2), x)
+
+    def fixes(message: str) -> list[str]:
+        return re.findall(r"(?:Call |: )((?:un)?compile_blocks\(model[^;]*?\))(?: first|[.;])", message)
+
+    def run_fix(code: str, model: nn.Module) -> None:
+        eval(code, {"compile_blocks": compile_blocks, "uncompile_blocks": uncompile_blocks, "model": model})
+
+    ours = Blocks(depth=2)
+    compile_blocks(ours, "blocks.0", backend="eager")
+    with pytest.raises(SpeedupsError) as refused:
+        compile_blocks(ours, "blocks.*", backend="eager")
+    assert fixes(str(refused.value)) == ["uncompile_blocks(model)"]
+    run_fix("uncompile_blocks(model)", ours)
+    compile_blocks(ours, "blocks.*", backend="eager")  # "then compile the blocks you want in one call"
+    assert compiled_blocks(ours) == ["blocks.0", "blocks.1"]
+    assert torch.equal(_eager_outputs(ours, x), want)
+
+    by_hand = {  # case: (the module compiled by hand, the names asked, the fix leaving it out)
+        "the block itself": ("blocks.0", "blocks.*", "compile_blocks(model, 'blocks.1', backend='eager')"),
+        "inside a block": ("blocks.0.fc1", ["blocks.*", "out"],
+                           "compile_blocks(model, ['blocks.1', 'out'], backend='eager')"),
+        "around the blocks": ("", "blocks.*", None),
+    }  # fmt: skip
+    for case, (hand, names, leave_out) in by_hand.items():
+        model = Blocks(depth=2)
+        model.get_submodule(hand).compile(backend="eager")
+        with pytest.raises(SpeedupsError) as refused:
+            compile_blocks(model, names, backend="eager")
+        message = str(refused.value)
+        assert "uncompile_blocks(model) first" not in message, case
+        uncompile_blocks(model)  # what the old message said: a no-op here, and still refused
+        assert compat.has_compiled_call(model.get_submodule(hand)), case
+        with pytest.raises(SpeedupsError):
+            compile_blocks(model, names, backend="eager")
+        again = f"compile_blocks(model, {names!r}, backend='eager')"
+        assert fixes(message) == ([leave_out] if leave_out else []) + [again], (case, message)
+        if leave_out is not None:
+            run_fix(leave_out, model)
+            assert compat.has_compiled_call(model.get_submodule(hand)), case
+            assert torch.equal(_eager_outputs(model, x), want), case
+        fresh = Blocks(depth=2)  # the other fix: that compile() call left out
+        run_fix(again, fresh)
+        assert compiled_blocks(fresh) == ["blocks.0", "blocks.1"] + (["out"] if "out" in names else [])
+        assert torch.equal(_eager_outputs(fresh, x), want), case
+        torch.compiler.reset()
+
+
+def test_a_checkpoint_refusal_names_a_fix_that_works_when_applied() -> None:
+    """checkpoint_activations' one refusal of state (a block inside or around a checkpointed one) says
+    'Call uncheckpoint_activations(model) first': run as written (on the compiled wrapper, as the user holds
+    it), the call then goes through."""
+    model = Blocks(depth=2)
+    whole = torch.compile(model, backend="eager")
+    checkpoint_activations(whole, "blocks.*")
+    with pytest.raises(SpeedupsError, match=r"Call uncheckpoint_activations\(model\) first, then checkpoint"):
+        checkpoint_activations(whole, "blocks.0.*")
+    uncheckpoint_activations(whole)
+    checkpoint_activations(whole, "blocks.0.*")
+    assert checkpointed_blocks(whole) == ["blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.0.drop"]
 
 
 def test_a_deep_copy_of_a_model_with_compiled_blocks_runs_eagerly_and_says_so() -> None:
