@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from speedups._helpers import env, kernel_switches, validate, wrappers
+from speedups._helpers.callers import user_line
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.kernels import tf32 as tf32_settings
 from speedups.kernels import weight_layout
@@ -89,6 +90,7 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         said = f"fast_kernels({shown}, tf32={tf32!r}, cudnn_benchmark={cudnn_benchmark!r}"
         said += f", channels_last={channels_last!r}, enabled={enabled!r})"
         self._said = said
+        self._where = user_line()  # names this switch in messages beside others made alike
         if callable(model) and not isinstance(model, nn.Module):
             name = getattr(model, "__qualname__", validate.short(model))
             raise TypeError(
@@ -133,10 +135,11 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
         opposite = kernel_switches.find("deterministic")
         if opposite is not None:
             raise SpeedupsError(
-                f"{self._said}: deterministic(seed={getattr(opposite, 'seed', None)!r}) is in force, and "
-                f"fast kernels undo it (cuDNN autotuning picks algorithms by timing, so they differ from run "
-                f"to run; TF32 changes fp32 results). Restore it first: switch.restore() (or leave its with "
-                f"block), then fast_kernels(...); or keep the reproducible run as it is."
+                f"{self._said}: the deterministic(seed={getattr(opposite, 'seed', None)!r}) made at "
+                f"{kernel_switches.made_at(opposite)} is in force, and fast kernels undo it (cuDNN "
+                f"autotuning picks algorithms by timing, so they differ from run to run; TF32 changes fp32 "
+                f"results). Restore it first: switch.restore() (or leave its with block), then "
+                f"fast_kernels(...); or keep the reproducible run as it is."
             )
         device = env.device()
         where = f"this device: {device}"
@@ -208,7 +211,7 @@ class fast_kernels:  # lowercase like deterministic and torch.set_grad_enabled: 
             self.changed, self.already, self.convolutions = {}, [], 0
             raise
         self._undo = undo
-        kernel_switches.enter("fast_kernels", self, self._said)
+        kernel_switches.enter("fast_kernels", self, self._said, self._where)
         if self.not_applied and env.rank() == 0:
             reasons = "; ".join(f"{name}: {why}" for name, why in self.not_applied.items())
             off = ", ".join(f"{name}=False" for name in self.not_applied)

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import torch
 
 from speedups._helpers import env, kernel_switches, validate
+from speedups._helpers.callers import user_line
 from speedups._helpers.rng import get_rng_states, set_rng_states
 from speedups.errors import SpeedupsError, SpeedupsWarning
 from speedups.parallel.seeding import seed_everything
@@ -77,6 +78,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         said = f"deterministic(seed={seed!r}, per_rank={per_rank!r}, warn_only={warn_only!r}"
         said += f", enabled={enabled!r})"
         self._said = said
+        self._where = user_line()  # names this switch in messages beside others made alike
         if callable(seed) and not isinstance(seed, int):
             name = getattr(seed, "__qualname__", validate.short(seed))
             raise TypeError(
@@ -108,9 +110,10 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
             opposite = kernel_switches.find("fast_kernels")
             if opposite is not None:
                 raise SpeedupsError(
-                    f"{said}: {type(opposite).__name__}(...) is in force, and a reproducible run needs the "
-                    f"opposite (cuDNN autotuning off, no TF32). Restore it first: switch.restore() (or leave "
-                    f"its with block), then deterministic(seed={seed!r})."
+                    f"{said}: the {type(opposite).__name__}(...) made at {kernel_switches.made_at(opposite)} "
+                    f"is in force, and a reproducible run needs the opposite (cuDNN autotuning off, no "
+                    f"TF32). Restore it first: switch.restore() (or leave its with block), then "
+                    f"deterministic(seed={seed!r})."
                 )
             self._apply()
 
@@ -138,7 +141,7 @@ class deterministic:  # lowercase like torch.set_grad_enabled: a call that takes
         if before not in _DETERMINISTIC_CUBLAS:
             os.environ[CUBLAS_CONFIG] = ":4096:8"
         self._saved = saved
-        kernel_switches.enter("deterministic", self, self._said)
+        kernel_switches.enter("deterministic", self, self._said, self._where)
         self.changed = {
             "torch.backends.cudnn.deterministic": (saved["cudnn.deterministic"], True),
             "torch.backends.cudnn.benchmark": (saved["cudnn.benchmark"], False),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -468,14 +470,36 @@ def test_restoring_out_of_order_is_refused_before_anything_changes(ampere: None)
     inside, inside_layouts = _views(), _layouts(model)
     with pytest.raises(
         SpeedupsError,
-        match=r"^fast_kernels\(None, tf32=False, .*\)\.restore\(\): fast_kernels\(Sequential\(\.\.\.\), "
-        r"tf32=True, .*\) was made after it and still in force\..*newest first",
+        match=r"^fast_kernels\(None, tf32=False, .*\)\.restore\(\), on the one made at .* \(older\): the "
+        r"one made at .* \(newer\), fast_kernels\(Sequential\(\.\.\.\), tf32=True, .*\), is still in "
+        r"force\..*newest first",
     ):
         outer.restore()
     assert _views() == inside and _layouts(model) == inside_layouts and outer.active
     inner.restore()
     outer.restore()
     assert _views() == before and _layouts(model) == layouts
+
+
+def test_an_out_of_order_restore_names_each_switch_by_where_it_was_made_and_its_order() -> None:
+    """Two switches made alike read the same: each is named by the user's file:line that made it and by its
+    order, in the refusal and in the order to restore them."""
+    here = os.path.relpath(__file__)
+    off = {"tf32": False, "cudnn_benchmark": False, "channels_last": False}
+    outer, outer_at = fast_kernels(**off), f"{here}:{sys._getframe().f_lineno}"
+    inner, inner_at = fast_kernels(**off), f"{here}:{sys._getframe().f_lineno}"
+    with pytest.raises(SpeedupsError) as refused:
+        outer.restore()
+    said = "fast_kernels(None, tf32=False, cudnn_benchmark=False, channels_last=False, enabled=True)"
+    assert str(refused.value).startswith(
+        f"{said}.restore(), on the one made at {outer_at} (older): the one made at {inner_at} (newer), "
+        f"{said}, is still in force. "
+    )
+    assert str(refused.value).endswith(f"the one made at {inner_at} (its restore(), or the end of its with "
+                                       f"block), then the one made at {outer_at}.")  # fmt: skip
+    assert outer.active and inner.active
+    inner.restore()
+    outer.restore()
 
 
 def test_used_as_a_decorator_it_is_refused_and_leaves_nothing_changed() -> None:
@@ -621,10 +645,12 @@ def test_fast_kernels_inside_deterministic_is_refused_before_anything_changes() 
     model = _net()
     layouts = _layouts(model)
     with deterministic(seed=0):
+        made_at = f"{os.path.relpath(__file__)}:{sys._getframe().f_lineno - 1}"
         inside = _views()
         with pytest.raises(
             SpeedupsError,
-            match=r"deterministic\(seed=0\) is in force, and fast kernels undo it.*switch\.restore\(\)",
+            match=rf"the deterministic\(seed=0\) made at {made_at} is in force, and fast kernels undo "
+            r"it.*switch\.restore\(\)",
         ):
             fast_kernels(model, tf32=False, cudnn_benchmark=False)
         assert _views() == inside and _layouts(model) == layouts
@@ -634,10 +660,12 @@ def test_fast_kernels_inside_deterministic_is_refused_before_anything_changes() 
 @pytest.mark.usefixtures("cublas_set")
 def test_deterministic_inside_fast_kernels_is_refused_before_anything_changes() -> None:
     with fast_kernels(_net(), tf32=False, cudnn_benchmark=False):
+        made_at = f"{os.path.relpath(__file__)}:{sys._getframe().f_lineno - 1}"
         inside, rng = _views(), torch.get_rng_state()
         with pytest.raises(
             SpeedupsError,
-            match=r"fast_kernels\(\.\.\.\) is in force.*switch\.restore\(\).*then deterministic\(seed=3\)",
+            match=rf"the fast_kernels\(\.\.\.\) made at {made_at} is in force.*switch\.restore\(\).*then "
+            r"deterministic\(seed=3\)",
         ):
             deterministic(seed=3)
         assert _views() == inside and torch.equal(torch.get_rng_state(), rng)
@@ -697,8 +725,11 @@ def test_the_model_inside_a_live_data_parallel_wrapper_is_refused_before_anythin
     model = _net()
     wrapper = nn.DataParallel(model)  # a live wrapper of the same parameters (DDP alike, off a process group)
     layouts, before = _layouts(model), _views()
-    with pytest.raises(ValueError, match=r"already wrapped in a DataParallel.*fast_kernels\(model\), then "
-                       r"ddp_wrap\(model\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"already wrapped in a DataParallel.*fast_kernels\(model\), then "
+        r"ddp_wrap\(model\)",
+    ):
         fast_kernels(model, tf32=False, cudnn_benchmark=False)
     assert _layouts(model) == layouts and _views() == before and kernel_switches.find("fast_kernels") is None
     del wrapper

@@ -103,21 +103,76 @@ def test_restoring_out_of_order_is_refused_before_anything_changes_and_in_order_
     inner = deterministic(seed=1)
     inside, inside_rng = _flags(), torch.get_rng_state()
     refused = (
-        r"^deterministic\(seed=0, per_rank=False, warn_only=True, enabled=True\)\.restore\(\): "
-        r"deterministic\(seed=1, .*\) was made after it and still in force\..*nothing was changed\. "
-        r"Restore switches newest first: newer\.restore\(\)"
+        r"^deterministic\(seed=0, per_rank=False, warn_only=True, enabled=True\)\.restore\(\), on the one "
+        r"made at .*: the one made at .* \(newer\), deterministic\(seed=1, .*\), is still in force\..*"
+        r"nothing was changed\. Restore switches newest first: the one made at "
     )
     with pytest.raises(SpeedupsError, match=refused):
         outer.restore()
     assert _flags() == inside and torch.equal(torch.get_rng_state(), inside_rng)
     assert outer.active and inner.active
     third = deterministic(seed=2)
-    with pytest.raises(SpeedupsError, match=r"2 switches were, the newest deterministic\(seed=2, "):
+    with pytest.raises(
+        SpeedupsError, match=r"2 made after it are still in force, .*\(newest: deterministic\(seed=2, "
+    ):
         outer.restore()
     third.restore()
     inner.restore()
     outer.restore()
     assert _flags() == before and torch.equal(torch.get_rng_state(), rng)
+
+
+def _line() -> int:
+    """The caller's line."""
+    return sys._getframe(1).f_lineno
+
+
+HERE = os.path.relpath(__file__)
+
+
+def test_an_out_of_order_restore_names_each_switch_by_where_it_was_made_and_its_order() -> None:
+    """The trial: two deterministic(seed=0) in force, the older restored first; the refusal printed both
+    as the same call, so which was newer could not be told. Each is now named by the user's file:line that
+    made it and by its order, and the fix names them in the order to restore; made on one line (a helper,
+    a loop), the order still tells them apart."""
+    outer, outer_at = deterministic(seed=0), f"{HERE}:{_line()}"
+    inner, inner_at = deterministic(seed=0), f"{HERE}:{_line()}"
+    with pytest.raises(SpeedupsError) as refused:
+        outer.restore()
+    assert str(refused.value).startswith(
+        f"deterministic(seed=0, per_rank=False, warn_only=False, enabled=True).restore(), on the one made at "
+        f"{outer_at} (older): the one made at {inner_at} (newer), deterministic(seed=0, per_rank=False, "
+        f"warn_only=False, enabled=True), is still in force. "
+    )
+    assert str(refused.value).endswith(
+        f"Restore switches newest first: the one made at {inner_at} (its restore(), or the end of its with "
+        f"block), then the one made at {outer_at}."
+    )
+    third, third_at = deterministic(seed=0), f"{HERE}:{_line()}"
+    with pytest.raises(SpeedupsError) as refused:
+        outer.restore()
+    assert f"2 made after it are still in force, at {inner_at} and {third_at} (newest: " in str(refused.value)
+    assert f"newest first: the ones made at {third_at}, then {inner_at} (" in str(refused.value)
+    with pytest.raises(
+        TypeError, match=rf"stays in force \(made at {outer_at}\), .*at {third_at}, {inner_at}:"
+    ):
+        outer(print)
+    third.restore()
+    inner.restore()
+    outer.restore()
+
+    def make() -> deterministic:
+        return deterministic(seed=0)  # both made on this line
+
+    line = f"{HERE}:{_line() - 2}"
+    first, second = make(), make()
+    with pytest.raises(
+        SpeedupsError, match=rf"on the one made at {line} \(older\): the one made at {line} \(newer\)"
+    ):
+        first.restore()
+    second.restore()
+    first.restore()
+    assert not first.active and not second.active
 
 
 def test_used_as_a_decorator_it_is_refused_and_leaves_nothing_changed() -> None:
@@ -144,7 +199,8 @@ def test_used_as_a_decorator_it_is_refused_and_leaves_nothing_changed() -> None:
     assert _flags() == before and torch.equal(torch.get_rng_state(), rng)
     with deterministic(seed=0) as outer:  # not the newest: left in force, and said so
         inner = deterministic(seed=1)
-        with pytest.raises(TypeError, match=r"It stays in force, since switches made after it are"):
+        stays = r"It stays in force \(made at .*\), since switches made after it are \(at "
+        with pytest.raises(TypeError, match=stays):
             outer(print)
         assert outer.active
         inner.restore()
