@@ -201,19 +201,20 @@ def check_result(out: Any) -> tuple[torch.Tensor, Any]:
         )
     if n is not None:
         if isinstance(n, torch.Tensor):
-            if n.numel() != 1 or n.is_complex() or n.dtype == torch.bool:
-                raise ValueError(
-                    f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
-                    f"{n.dtype}: expected a one-element real tensor or a number (items in the batch). To "
-                    f"hand out more than the loss (a prediction, logits), return a mapping: "
-                    f"{{'loss': loss, 'num_items': len(y), 'logits': logits}}."
-                )
             if n.requires_grad:
                 raise ValueError(
                     f"accumulate: the step returned num_items={short(n)}, a tensor that requires grad: a "
-                    f"count of items has no gradient, so this is likely a model output (the prediction of a "
-                    f"batch of 1?) in num_items' place. Return (loss, len(y)) or (loss, mask.sum()); to hand "
-                    f"out a prediction too, {{'loss': loss, 'num_items': len(y), 'prediction': out}}."
+                    f"count of items has no gradient, so this is likely a model output (`return loss, out`: "
+                    f"the prediction) in num_items' place. Return (loss, len(y)) or (loss, mask.sum()); to "
+                    f"hand out a prediction too, {{'loss': loss, 'num_items': len(y), 'prediction': out}}."
+                )
+            if n.numel() != 1 or n.dim() > 1 or n.is_complex() or n.dtype == torch.bool:
+                raise ValueError(
+                    f"accumulate: the step returned num_items of shape {tuple(n.shape)} and dtype "
+                    f"{n.dtype}: expected a real count, a 0-dim tensor or one of shape (1,), or a number "
+                    f"(items in the batch; a (1, 1) tensor is a model's output for one sample). To "
+                    f"hand out more than the loss (a prediction, logits), return a mapping: "
+                    f"{{'loss': loss, 'num_items': len(y), 'logits': logits}}."
                 )
         elif isinstance(n, bool) or not isinstance(n, numbers.Real):
             raise TypeError(

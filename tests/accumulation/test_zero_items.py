@@ -196,9 +196,18 @@ def test_a_count_that_requires_grad_is_refused_at_its_call_as_a_prediction_in_it
         out = model(xb)
         return F.mse_loss(out, yb), out
 
-    with pytest.raises(ValueError, match=r"num_items=tensor\(.*requires grad.*prediction of a batch of 1.*"
+    with pytest.raises(ValueError, match=r"num_items=tensor\(.*requires grad.*`return loss, out`.*"
                        r"'prediction': out"):
         train_step(x[:1], y[:1])
     assert train_step.step == 0 and all(p.grad is None for p in model.parameters())
-    with pytest.raises(ValueError, match=r"num_items of shape \(2, 1\).*return a mapping"):
+    with pytest.raises(ValueError, match=r"num_items=tensor\(.*requires grad"):
         train_step(x[:2], y[:2])
+
+    @accumulate(2, opt)
+    def detached(xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(xb)
+        return F.mse_loss(out, yb), out.detach()  # a (1, 1) prediction, no gradient: still no count
+
+    with pytest.raises(ValueError, match=r"num_items of shape \(1, 1\).*model's output for one sample"):
+        detached(x[:1], y[:1])
+    assert detached.step == 0 and all(p.grad is None for p in model.parameters())
