@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from speedups._helpers import rng
+from speedups._helpers.tree import tree_map
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
 __all__ = ["FORMAT", "META", "Contents", "checked_rng", "read", "rng_from_file", "rng_to_file", "write"]
@@ -71,8 +72,20 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
+def _compact(value: Any) -> Any:
+    """A dense tensor in another memory layout (channels_last, a transposed view) as a contiguous copy."""
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and not value.is_contiguous():
+        return value.contiguous()
+    return value
+
+
 def write(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` to a temporary file next to ``path``, flush it to disk, rename it over ``path``.
+
+    Tensors are written contiguous: read with plain ``torch.load``, optimizer state saved under
+    ``fast_kernels`` (channels_last) would keep that layout (``Optimizer.load_state_dict`` keeps strides)
+    beside contiguous weights, and a fused optimizer pairs their elements by position.
+    :func:`~speedups.load_checkpoint` lays state out as its parameters whatever the file holds.
 
     A crash mid-write leaves the previous file intact. The file's mode follows the umask, like
     ``torch.save`` (``tempfile.mkstemp`` alone would make it 0600, unreadable to a teammate).
@@ -86,7 +99,7 @@ def write(path: Path, payload: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            torch.save(tree_map(_compact, payload), f)
             f.flush()
             os.fsync(f.fileno())
             if hasattr(os, "fchmod"):

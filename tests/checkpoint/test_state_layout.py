@@ -131,6 +131,32 @@ def test_without_the_fix_the_fused_step_is_far_off(tmp_path: Path) -> None:
     assert off > 1e-3
 
 
+@pytest.mark.parametrize(("name", "options"), _OPTIMIZERS[:3], ids=_IDS[:3])
+def test_the_file_read_without_speedups_resumes_a_plain_fused_run_as_the_plain_loop(
+    tmp_path: Path, name: str, options: dict
+) -> None:
+    """The file is plain torch (``torch.load(path, weights_only=True)``): saved under fast_kernels, its
+    tensors are written contiguous, so a plain model and a fused optimizer loaded by torch alone pair them
+    right (the state's channels_last strides would survive Optimizer.load_state_dict)."""
+    want = _plain(name, options)
+    batches = _batches()
+    model = _conv_net()
+    opt = getattr(torch.optim, name)(model.parameters(), lr=0.01, **options)
+    switch = _switch(model)
+    _train(model, opt, batches[:3])
+    save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=opt)
+    switch.restore()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = _conv_net()
+    resumed_opt = getattr(torch.optim, name)(resumed.parameters(), lr=0.01, **options)
+    resumed.load_state_dict(state["model"])
+    resumed_opt.load_state_dict(state["optimizer"])
+    assert _mismatched(resumed_opt) == []
+    _train(resumed, resumed_opt, batches[3:])
+    for got, ref in zip(resumed.parameters(), want, strict=True):
+        torch.testing.assert_close(got.detach(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_mid_window_step_and_a_run_directory_resume_in_the_other_layout(tmp_path: Path) -> None:
     """RunDirectory.resume loads through load_checkpoint: a mid-window @accumulate(2) checkpoint saved under
     fast_kernels resumes a plain run; the open window's gradients follow their weights too."""
