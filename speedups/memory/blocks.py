@@ -101,10 +101,12 @@ def pick_modules(
             )
         for n, m in hits:
             if isinstance(m, CONTAINERS):
+                # the same pick with each container replaced by its modules (its siblings kept)
+                names_now = [f"{h}.*" if isinstance(x, CONTAINERS) else h for h, x in hits]
+                fix = repr(names_now[0]) if len(names_now) == 1 else repr(names_now)
                 raise ValueError(
                     f"{call}: {short(entry)} picks {n!r}, a {type(m).__name__}, which is never called itself "
-                    f"(its modules are), so nothing would be {done}. Name its modules: "
-                    f"{(n + '.*')!r}."
+                    f"(its modules are), so nothing would be {done}. Name its modules: {fix}."
                 )
             picked.setdefault(id(m), (n, m))
     inside = {id(sub) for _, m in picked.values() for sub in m.modules() if sub is not m}
@@ -134,7 +136,10 @@ def undo_roots(model: nn.Module, names: Any, call: str, done: str = "checkpointe
         TypeError: ``model`` is not an ``nn.Module``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{call}({short(model)}): model must be an nn.Module.")
+        raise TypeError(
+            f"{call}({short(model)}): model must be an nn.Module, got {type(model).__name__}. Pass the model "
+            f"you gave {'compile_blocks' if done == 'compiled' else 'checkpoint_activations'}: {call}(model)."
+        )
     if names is None:
         return [unwrap(model)]
     return [m for _, m in pick_modules(model, names, f"{call}(model, {short(names)})", done)]

@@ -145,6 +145,24 @@ def test_bad_names_are_refused_before_anything_is_registered(names: object, erro
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+def test_the_names_a_container_refusal_suggests_keep_its_siblings_and_work() -> None:
+    """'*' picks the ModuleList and its siblings: the fix names the list's modules and keeps the others."""
+    import ast
+
+    model = Blocks()
+    picked = sorted(n for n, _ in model.named_children())
+    with pytest.raises(ValueError, match=r"Name its modules: \[") as caught:
+        checkpoint_activations(model, "*")
+    fix = ast.literal_eval(str(caught.value).rsplit("Name its modules: ", 1)[1].rstrip("."))
+    assert sorted(n.removesuffix(".*") for n in fix) == picked  # every module '*' picked, none lost
+    checkpoint_activations(model, fix)
+    done = set(checkpointed(model))
+    assert done >= {n for n in picked if n != "blocks"} and "blocks.0" in done
+    with pytest.raises(TypeError, match=r"uncheckpoint_activations\('model'\): model must be an nn.Module, "
+                       r"got str\. Pass the model you gave checkpoint_activations"):
+        uncheckpoint_activations("model")  # type: ignore[arg-type]
+
+
 def test_a_checkpoint_inside_or_around_another_is_refused_and_nothing_changes() -> None:
     model = Blocks()
     checkpoint_activations(model, "blocks.1")
