@@ -146,18 +146,16 @@ def after(task: Task, s: Setup) -> Outcome:
     plan = accumulation_plan(s.batch, largest, world_size=1)  # the recipe's batch, in micro-batches that fit
     sampler = task.sampler(s.seed)
     loader = fast_loader(task.train, plan.micro_batch_size, sampler=sampler)
-    # Tuning times each worker setting with the training step running here (on copies of the model and
-    # optimizer: it trains nothing), so the workers are judged against the cores the step needs.
+    # Tuning times each worker setting with the training step's forward and backward running here (on a
+    # copy of the model, without the update, as docs/tips/tune-loader.md teaches: it trains nothing), so the
+    # workers are judged against the cores the step needs.
     spare_model = copy.deepcopy(model)
-    spare_optimizer = torch.optim.Adam(spare_model.parameters(), lr=LR)
 
     def tuning_step(batch: list[torch.Tensor]) -> None:
         x, y = to_device(batch, device)
         with amp:
             loss = F.cross_entropy(spare_model(x), y)
         loss.backward()
-        spare_optimizer.step()
-        spare_optimizer.zero_grad(set_to_none=True)
 
     loader, report = tune_loader(loader, max_seconds=s.tune_seconds, progress=False, step=tuning_step)
 

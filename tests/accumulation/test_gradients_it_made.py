@@ -4,7 +4,10 @@ inside it, and parameters added to a param group; each against the hand-written 
 from __future__ import annotations
 
 import gc
+import inspect
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -137,9 +140,13 @@ def test_two_steps_over_one_optimizer_are_refused_while_the_other_window_is_open
     x = torch.randn(4, 3)
     main(x)
     grads = [p.grad.clone() for p in model.parameters()]
-    with pytest.raises(SpeedupsError, match=r"<lambda> \(defined at .*:136\) and .*<lambda> \(defined at "
-                       r".*:135\) are two @accumulate steps over one optimizer \(SGD\), both alive.*window "
-                       r"is open \(1 of 2.*discard\(\).*return main_loss \+ aux_loss"):
+    aux_line, main_line = (inspect.getsourcelines(f.__wrapped__)[1] for f in (aux, main))  # where defined
+    told = (
+        rf"<lambda> \(defined at .*:{aux_line}\) and .*<lambda> \(defined at .*:{main_line}\) are two "
+        r"@accumulate steps over one optimizer \(SGD\), both alive.*window is open \(1 of 2.*discard\(\).*"
+        r"return main_loss \+ aux_loss"
+    )
+    with pytest.raises(SpeedupsError, match=told):
         aux(x)
     assert aux.step == 0
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
@@ -356,21 +363,28 @@ def test_an_open_window_changed_between_calls_is_warned_once(how: str) -> None:
     assert len(rec) == 1 and rec[0].filename == __file__
 
 
-@pytest.mark.parametrize("alone", [True, False], ids=["one step (the short path)", "two steps"])
-@pytest.mark.parametrize("call", [1, 2], ids=["the window's first call", "a later call"])
-def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: int, alone: bool) -> None:
-    other = None if alone else _steps_on(mlp(3, 8, 1))
-    model = mlp(3, 8, 1)
+def _step_with_a_backward_inside(model: nn.Module, on_call: Callable[[int], bool]) -> Any:
+    """``@accumulate(4)`` over ``model`` whose function runs a ``backward()`` itself on the calls (counted
+    from 1) where ``on_call`` says so."""
     calls = [0]
 
     @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
     def step(x: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         out = model(x)
-        if calls[0] % 4 == call % 4:  # on that call of each window only
+        if on_call(calls[0]):
             out.sum().backward(retain_graph=True)
         return out.pow(2).mean()
 
+    return step
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["one step (the short path)", "two steps"])
+@pytest.mark.parametrize("call", [1, 2], ids=["the window's first call", "a later call"])
+def test_a_backward_inside_the_step_on_one_call_of_the_window_is_warned(call: int, alone: bool) -> None:
+    other = None if alone else _steps_on(mlp(3, 8, 1))
+    model = mlp(3, 8, 1)
+    step = _step_with_a_backward_inside(model, lambda n: n % 4 == call % 4)  # that call of each window
     assert step._acc().guard.alone is alone  # the path this case is about
     with pytest.warns(SpeedupsWarning, match=r"backward\(\) ran inside the step.*1/4") as rec:
         for _ in range(8):
@@ -386,16 +400,7 @@ def test_the_once_a_window_checks_run_on_every_window_not_only_the_first(call: i
     there: the checks done once a window run on each window's first call, whatever the path."""
     other = None if alone else _steps_on(mlp(3, 8, 1))
     model = mlp(3, 8, 1)
-    calls = [0]
-
-    @accumulate(4, torch.optim.SGD(model.parameters(), 0.1))
-    def step(x: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        out = model(x)
-        if calls[0] == 8 + call + 1:  # in the third window only
-            out.sum().backward(retain_graph=True)
-        return out.pow(2).mean()
-
+    step = _step_with_a_backward_inside(model, lambda n: n == 8 + call + 1)  # in the third window only
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(8):  # two clean windows: the short path is taken from the second call on

@@ -268,6 +268,27 @@ def _distributed_loader() -> DataLoader:
     return distributed(loader, rank=0, world_size=1)
 
 
+def _four_epochs_saving(
+    loader: Any, batches: int, width: int
+) -> tuple[list[list[tuple[int, ...]]], list[Any], tuple[dict[str, Any], torch.Tensor] | None]:
+    """Four epochs of ``loader``: each epoch's rows (their first ``width`` fields), the main process's draws
+    after each epoch, and the checkpoint (loader state, global RNG) taken in epoch 1 after ``batches``."""
+    seen: list[list[tuple[int, ...]]] = []
+    after: list[Any] = []
+    saved = None
+    for epoch in range(4):
+        rows: list[tuple[int, ...]] = []
+        if epoch == 1 and batches == 0:
+            saved = loader.state_dict(), torch.get_rng_state()
+        for i, batch in enumerate(loader):
+            rows += [row[:width] for row in _rows(batch)]
+            if epoch == 1 and i + 1 == batches:
+                saved = loader.state_dict(), torch.get_rng_state()
+        seen.append(rows)
+        after.append(torch.rand(3).tolist())
+    return seen, after, saved
+
+
 @pytest.mark.parametrize("into", ["a fresh loader", "the same loader"])
 @pytest.mark.parametrize("batches", [0, 2], ids=["at an epoch boundary", "mid-epoch"])
 def test_a_resume_in_a_later_epoch_continues_the_uninterrupted_run(batches: int, into: str) -> None:
@@ -277,19 +298,7 @@ def test_a_resume_in_a_later_epoch_continues_the_uninterrupted_run(batches: int,
     workers' streams are not as far along); from the next epoch on, everything is."""
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     loader = _distributed_loader()
-    seen: list[list[tuple[int, ...]]] = []
-    after: list[Any] = []
-    saved = None
-    for epoch in range(4):
-        rows: list[tuple[int, ...]] = []
-        if epoch == 1 and batches == 0:
-            saved = loader.state_dict(), torch.get_rng_state()
-        for i, batch in enumerate(loader):
-            rows += [row[:7] for row in _rows(batch)]
-            if epoch == 1 and i + 1 == batches:
-                saved = loader.state_dict(), torch.get_rng_state()
-        seen.append(rows)
-        after.append(torch.rand(3).tolist())
+    seen, after, saved = _four_epochs_saving(loader, batches, 7)
     assert saved is not None and saved[0]["epoch"] == 1 and saved[0]["batches"] == batches
     assert (saved[0]["seed_state"] is not None) == (batches > 0)
 
@@ -337,19 +346,7 @@ def test_a_resume_over_torchs_own_persistent_workers_replays_their_one_base_seed
 
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     loader = _over_torchs_persistent_workers(data)
-    seen: list[list[tuple[int, ...]]] = []
-    after: list[Any] = []
-    saved = None
-    for epoch in range(4):
-        rows: list[tuple[int, ...]] = []
-        if epoch == 1 and batches == 0:
-            saved = loader.state_dict(), torch.get_rng_state()
-        for i, batch in enumerate(loader):
-            rows += [row[:3] for row in _rows(batch)]
-            if epoch == 1 and i + 1 == batches:
-                saved = loader.state_dict(), torch.get_rng_state()
-        seen.append(rows)
-        after.append(torch.rand(3).tolist())
+    seen, after, saved = _four_epochs_saving(loader, batches, 3)
     assert seen == reference, "torch's own persistent workers: one base seed for every epoch"
     assert len({row[2] - row[1] for epoch in seen for row in epoch}) == 1
     assert saved is not None and saved[0]["seed_state"] is not None
