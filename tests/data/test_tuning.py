@@ -927,6 +927,7 @@ def test_a_step_that_changes_hyperparameters_by_hand_is_refused_and_they_are_put
     _assert_same_weights(model, reference)
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # torch's, meant
 def test_a_state_moved_after_the_first_call_is_refused_at_the_next_check_or_when_tuning_ends() -> None:
     """Compared after calls 1, 2, 4, 8, ... and at the end: a scheduler stepped from call 3 on is seen at
     call 4, one stepped at call 5 of 5 when tuning ends; both put back exactly."""
