@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from speedups import SpeedupsWarning, distributed, fast_loader, tune_loader
 from speedups.data.persistence import reseeds_workers
@@ -381,3 +381,34 @@ def test_spawned_workers_persist_exactly() -> None:
     mine = Run(lambda: fast_loader(data, 2, shuffle=True, **kw()))
     _assert_same(mine, Run(lambda: DataLoader(data, 2, shuffle=True, **kw())))
     _assert_persisted(mine)
+
+
+@pytest.mark.parametrize("wrap", ["fast_loader", "distributed(fast_loader)"])
+def test_a_loader_dropped_in_the_middle_of_a_pass_is_freed_at_once_and_its_workers_end(wrap: str) -> None:
+    """No reference cycle holds the loader: dropped mid-pass (a `break`, early stopping), it goes at once
+    and its iterator's shutdown reaches the workers. In a cycle, the collector freed the iterator's queues
+    first and the shutdown waited 20 s for workers that never heard it."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    data = TensorDataset(torch.arange(40.0))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        loader = fast_loader(data, 2, shuffle=True, num_workers=2, seed=0)
+        if wrap != "fast_loader":
+            loader = distributed(loader, rank=1, world_size=2)
+        before = set(multiprocessing.active_children())
+        list(loader)  # a whole pass: the persistent workers' later passes are the ones at issue
+        it = iter(loader)
+        next(it)
+        workers = [w for w in multiprocessing.active_children() if w not in before]
+        del it
+        ref = weakref.ref(loader)
+        del loader
+        assert ref() is None  # freed by its last reference, without a collection
+        assert workers and not any(w.is_alive() for w in workers)  # the shutdown joined them
+    finally:
+        if enabled:
+            gc.enable()

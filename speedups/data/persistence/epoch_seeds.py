@@ -120,6 +120,11 @@ class EpochSeeds(Sampler):
             # what a fresh iterator draws in _BaseDataLoaderIter.__init__, then its second iter()
             base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
             first = None
+        # Not held while the pass yields: this generator lives in the loader's iterator, so a reference to the
+        # loader here would make the loader, its iterator and its queues one reference cycle, which the
+        # collector frees together, the queues' feeder threads first; the iterator's shutdown then sent its
+        # workers nothing and waited 20 s for them (a loader dropped in the middle of a pass).
+        del loader
         self.passes += 1
         number = self.passes
         for index in self.sampler if first is None else first:
