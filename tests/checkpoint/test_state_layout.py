@@ -30,6 +30,11 @@ _OPTIMIZERS = [
     ("Adam", {"foreach": True}),
 ]
 _IDS = [f"{name}-{options}" for name, options in _OPTIMIZERS]
+# fused Adam in the quick loop, the other optimizers with the slow tests
+_CASES = [
+    pytest.param(name, options, id=ident, marks=[] if i == 0 else [pytest.mark.slow])
+    for i, ((name, options), ident) in enumerate(zip(_OPTIMIZERS, _IDS, strict=True))
+]
 _STEPS = 6  # 3 before the checkpoint, 3 after
 
 
@@ -78,7 +83,7 @@ def _mismatched(opt: torch.optim.Optimizer) -> list[tuple[tuple[int, ...], tuple
 
 
 @pytest.mark.parametrize("saved_under", ["fast_kernels", "plain"])
-@pytest.mark.parametrize(("name", "options"), _OPTIMIZERS, ids=_IDS)
+@pytest.mark.parametrize(("name", "options"), _CASES)
 def test_a_checkpoint_resumes_in_the_other_layout_as_the_plain_loop(
     tmp_path: Path, name: str, options: dict, saved_under: str
 ) -> None:
@@ -131,7 +136,7 @@ def test_without_the_fix_the_fused_step_is_far_off(tmp_path: Path) -> None:
     assert off > 1e-3
 
 
-@pytest.mark.parametrize(("name", "options"), _OPTIMIZERS[:3], ids=_IDS[:3])
+@pytest.mark.parametrize(("name", "options"), _CASES[:3])
 def test_the_file_read_without_speedups_resumes_a_plain_fused_run_as_the_plain_loop(
     tmp_path: Path, name: str, options: dict
 ) -> None:

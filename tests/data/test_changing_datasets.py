@@ -391,6 +391,8 @@ BUILDS = {
     "distributed(fast_loader)": (_distributed_fast, _plain_split, True),
     "distributed(DataLoader)": (_distributed_plain, _plain_split, True),
 }
+# fast_loader in the quick loop; the same kinds through distributed() with the slow tests
+MADE_BY = [pytest.param(name, marks=[pytest.mark.slow] if name != "fast_loader" else []) for name in BUILDS]
 
 
 def _check(new_case: Callable[[], Case], made_by: str) -> None:
@@ -424,19 +426,19 @@ def _check(new_case: Callable[[], Case], made_by: str) -> None:
         assert mine.warned[0].filename == __file__  # pointing at the loop
 
 
-@pytest.mark.parametrize("made_by", list(BUILDS))
+@pytest.mark.parametrize("made_by", MADE_BY)
 @pytest.mark.parametrize("kind", list(MAIN_CHANGES))
 def test_a_change_in_the_main_process_reaches_the_next_epoch_through_fresh_workers(kind: str, made_by: str):
     _check(MAIN_CHANGES[kind], made_by)
 
 
-@pytest.mark.parametrize("made_by", list(BUILDS))
+@pytest.mark.parametrize("made_by", MADE_BY)
 @pytest.mark.parametrize("kind", list(WORKER_CHANGES))
 def test_a_worker_that_changes_its_copy_is_replaced_by_fresh_ones_every_epoch(kind: str, made_by: str):
     _check(WORKER_CHANGES[kind], made_by)
 
 
-@pytest.mark.parametrize("made_by", list(BUILDS))
+@pytest.mark.parametrize("made_by", MADE_BY)
 @pytest.mark.parametrize("kind", list(UNCHANGED))
 def test_workers_persist_where_their_copy_stays_what_fresh_ones_copy(kind: str, made_by: str):
     _check(UNCHANGED[kind], made_by)

@@ -596,7 +596,12 @@ def _fit(name: str, options: dict, switching: str | None) -> tuple[list[torch.Te
 
 
 @pytest.mark.parametrize("switching", ["with state", "before state"])
-@pytest.mark.parametrize(("name", "options"), _OPTIMIZERS, ids=[f"{n}-{o}" for n, o in _OPTIMIZERS])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    # fused Adam in the quick loop, the other implementations with the slow tests
+    [pytest.param(n, o, id=f"{n}-{o}", marks=[] if i == 0 else [pytest.mark.slow])
+     for i, (n, o) in enumerate(_OPTIMIZERS)],
+)  # fmt: skip
 def test_optimizer_state_follows_its_weights_there_and_back_and_training_matches_the_plain_loop(
     name: str, options: dict, switching: str
 ) -> None:
