@@ -9,22 +9,16 @@ compute threads (``torch.set_num_threads``), which otherwise fight for the same 
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
 import sys
-import threading
 import time
-import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset
 
 from speedups._helpers import validate
@@ -33,6 +27,7 @@ from speedups._helpers.rng import preserved_rng
 from speedups._helpers.validate import short
 from speedups.data.persistence import EXACT, has_per_epoch_state, reseeds_workers, unwrapped
 from speedups.data.sample_keys import SampleKeys
+from speedups.data.step_guard import refuse_accumulate_step, step_name, updates_refused
 from speedups.data.timing import (
     TUNED,
     LoaderTrial,
@@ -45,7 +40,7 @@ from speedups.data.timing import (
 )
 from speedups.data.workers import check_worker_init_fn, start_method, unpicklable_for_workers
 from speedups.device import default_device
-from speedups.errors import SpeedupsError, SpeedupsWarning
+from speedups.errors import SpeedupsWarning
 
 __all__ = ["LoaderReport", "tune_loader"]
 
@@ -198,333 +193,6 @@ def _progress(total: int, enabled: bool) -> Any:
     return None
 
 
-# What the message of a refused step says to do instead: the step's work, without its update, on a copy.
-_PROBE_FIX = (
-    "Time the model's work on a copy, without the update: probe = copy.deepcopy(model); "
-    "tune_loader(loader, step=lambda batch: loss_fn(probe(batch[0]), batch[1]).backward())"
-)
-_ALLOWED = (
-    "The step given to tune_loader may run forward and backward, not an update: no optimizer.step(), "
-    "scheduler.step() or scaler.update()"
-)
-
-
-def _accumulate_step_of(obj: object) -> object | None:
-    """The ``@accumulate`` step ``obj`` is, or wraps (``__wrapped__``: ``mixed_precision``,
-    ``functools.wraps``; ``functools.partial``), or None. Known by its public API (the data layer does not
-    import the accumulation layer): a class with the ``num_updates`` property, ``discard()`` and
-    ``on_update()``."""
-    for _ in range(16):
-        kind = type(obj)
-        if (
-            isinstance(getattr(kind, "num_updates", None), property)
-            and callable(getattr(kind, "discard", None))
-            and callable(getattr(kind, "on_update", None))
-        ):
-            return obj
-        inner = obj.func if isinstance(obj, functools.partial) else getattr(obj, "__wrapped__", None)
-        if inner is None or inner is obj:
-            return None
-        obj = inner
-    return None
-
-
-def _names_used(code: types.CodeType) -> Iterator[str]:
-    """The global and attribute names ``code`` and the functions defined in it refer to."""
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _names_used(const)
-
-
-def _accumulate_step_in(step: object) -> str | None:
-    """How ``step`` reaches an ``@accumulate`` step before it runs: it is one (or wraps one), or it is a
-    function that calls one by a global name or from its closure (``lambda batch: train_step(*batch)``).
-    Returns the words for the message, or None."""
-    found = _accumulate_step_of(step)
-    if found is not None:
-        return (
-            f"{_name(step)} is an @accumulate step"
-            if found is step
-            else f"it wraps {_name(found)}, an @accumulate step"
-        )
-    fn = step.func if isinstance(step, functools.partial) else step
-    fn = getattr(fn, "__func__", fn)  # a bound method: its function
-    if not isinstance(fn, types.FunctionType):
-        return None
-    used = [(name, fn.__globals__.get(name)) for name in dict.fromkeys(_names_used(fn.__code__))]
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
-        try:
-            used.append((name, cell.cell_contents))
-        except ValueError:  # an empty cell
-            continue
-    for name, obj in used:
-        if obj is not None and _accumulate_step_of(obj) is not None:
-            return f"it calls {name}, an @accumulate step"
-    return None
-
-
-def _name(fn: object) -> str:
-    """How a message names a step: its ``__name__``, a partial by its function."""
-    if isinstance(fn, functools.partial):
-        return f"functools.partial({_name(fn.func)}, ...)"
-    name = getattr(fn, "__name__", None)
-    return name if isinstance(name, str) else short(fn)
-
-
-def _refuse_accumulate_step(step: object, said: str) -> None:
-    """Refuse, before anything runs, a step that is or calls an ``@accumulate`` step.
-
-    Raises:
-        SpeedupsError: it is one; nothing has run.
-    """
-    how = _accumulate_step_in(step)
-    if how is not None:
-        raise SpeedupsError(
-            f"{said}: {how}: run on every timed batch (thousands), it would train the model and move its "
-            f"counters, window and scheduler before training starts; nothing was run. {_ALLOWED}. "
-            f"{_PROBE_FIX}."
-        )
-
-
-_SCHEDULERS = (LRScheduler, ReduceLROnPlateau)  # ReduceLROnPlateau: an LRScheduler only since torch 2.2
-
-
-class _TrainingState:
-    """What an update moves besides the weights and the optimizer state, as it was when tuning began.
-
-    Every live LR scheduler's ``state_dict()`` (``torch.optim.lr_scheduler.LRScheduler``,
-    ``ReduceLROnPlateau``), every live ``torch.optim.Optimizer``'s ``param_groups`` hyperparameters (lr,
-    momentum, betas, weight_decay, ...; every key but ``params``, and the groups themselves) and every
-    enabled ``torch.amp.GradScaler``'s ``state_dict()`` (its scale and growth tracker are read with
-    ``.item()``: a sync with CUDA, at each comparison). Found by one scan of the live objects (``gc``: about
-    35 ms per million objects) when tuning starts; one made later is not seen. Tensors are cloned, other
-    values kept as they are (numbers, and lists and tuples of them).
-    """
-
-    def __init__(self) -> None:
-        self.schedulers: list[tuple[Any, dict[str, Any]]] = []
-        # (optimizer, its groups, each group's values but params as (the value, a copy of it))
-        self.optimizers: list[tuple[torch.optim.Optimizer, list[dict[str, Any]], list[dict[str, Any]]]] = []
-        self.scalers: list[tuple[torch.amp.GradScaler, dict[str, Any]]] = []
-
-    @classmethod
-    def capture(cls) -> _TrainingState:
-        """Record the live schedulers, optimizers and enabled GradScalers as they are now."""
-        state = cls()
-        for obj in gc.get_objects():
-            kind = type(obj)  # type(), not isinstance: a proxy's __class__ is not asked
-            if issubclass(kind, _SCHEDULERS):
-                state.schedulers.append((obj, _cloned(obj.state_dict())))
-            elif issubclass(kind, torch.optim.Optimizer):
-                groups = list(obj.param_groups)
-                values = [{k: (v, _cloned(v)) for k, v in g.items() if k != "params"} for g in groups]
-                state.optimizers.append((obj, groups, values))
-            elif issubclass(kind, torch.amp.GradScaler) and obj.is_enabled():
-                state.scalers.append((obj, obj.state_dict()))
-        return state
-
-    def changes(self) -> list[str]:
-        """What moved since :meth:`capture`, one entry per object, e.g. ``"StepLR: last_epoch 0 -> 1"``."""
-        found = []
-        for scheduler, saved in self.schedulers:
-            moved = _moved(saved, scheduler.state_dict())
-            if moved:
-                found.append(f"{type(scheduler).__name__}: {moved}")
-        for optimizer, groups, values in self.optimizers:
-            name = type(optimizer).__name__
-            if len(optimizer.param_groups) != len(groups) or any(
-                a is not b for a, b in zip(optimizer.param_groups, groups, strict=False)
-            ):
-                found.append(f"{name}.param_groups: {len(groups)} group(s) -> {len(optimizer.param_groups)}")
-            for i, (group, saved_group) in enumerate(zip(groups, values, strict=True)):
-                saved = {k: copy for k, (_, copy) in saved_group.items()}
-                moved = _moved(saved, {k: v for k, v in group.items() if k != "params"})
-                if moved:
-                    found.append(f"{name}.param_groups[{i}]: {moved}")
-        for scaler, saved in self.scalers:
-            moved = _moved(saved, scaler.state_dict())
-            if moved:
-                found.append(f"{type(scaler).__name__}: {moved}")
-        return found
-
-    def put_back(self) -> None:
-        """Put back exactly what moved: each scheduler's ``load_state_dict``, each hyperparameter (the same
-        object, a tensor's values copied back in place), each scaler's ``load_state_dict``, after clearing
-        what ``scaler.scale()``/``unscale_()``/``step()`` left for the iteration (``update(new_scale=)``
-        with the scale it had: a record left there would make the first real ``scaler.step()`` skip its
-        unscaling and step on gradients 65,536 times too large)."""
-        for scheduler, saved in self.schedulers:
-            if _moved(saved, scheduler.state_dict()):
-                scheduler.load_state_dict(_cloned(saved))
-        with torch.no_grad():
-            for optimizer, groups, values in self.optimizers:
-                if len(optimizer.param_groups) != len(groups) or any(
-                    a is not b for a, b in zip(optimizer.param_groups, groups, strict=False)
-                ):
-                    optimizer.param_groups[:] = groups
-                for group, saved_group in zip(groups, values, strict=True):
-                    for key in [k for k in group if k != "params" and k not in saved_group]:
-                        del group[key]
-                    for key, (value, copy) in saved_group.items():
-                        if key not in group or group[key] is not value or not _same(copy, value):
-                            _copy_into(value, copy)
-                            group[key] = value
-        for scaler, saved in self.scalers:
-            with suppress(AssertionError):  # never scaled (no scale tensor): nothing to clear
-                scaler.update(new_scale=float(saved["scale"]))
-            if _moved(saved, scaler.state_dict()):
-                scaler.load_state_dict(saved)
-
-
-def _cloned(value: Any) -> Any:
-    """``value`` with every tensor in it cloned (in dicts, lists and tuples); other objects as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_cloned(v) for v in value)
-    return value
-
-
-def _copy_into(value: Any, saved: Any) -> None:
-    """Copy the tensors of ``saved`` (a :func:`_cloned` copy of ``value``) back into ``value``'s, in place."""
-    if isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor):
-        if value.shape == saved.shape and value.dtype == saved.dtype:
-            value.copy_(saved)
-    elif isinstance(value, dict) and isinstance(saved, dict):
-        for k in value.keys() & saved.keys():
-            _copy_into(value[k], saved[k])
-    elif isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)) and len(value) == len(saved):
-        for v, c in zip(value, saved, strict=True):
-            _copy_into(v, c)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two recorded values are bitwise the same: tensors by dtype, shape and values (NaN equal to
-    NaN), containers element by element, other values by identity or ``==``."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
-            return False
-        if torch.equal(a, b):
-            return True
-        nan = a.isnan()
-        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:  # NaN
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # an object whose == is not a bool (an array): only identity counts
-        return False
-
-
-def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """The keys of ``now`` that differ from ``saved``, as ``"key old -> new"`` (the first three; public
-    names first), or ``""``."""
-    keys = sorted(dict.fromkeys([*saved, *now]), key=lambda k: str(k).startswith("_"))
-    moved = [
-        f"{key} {_shown(saved.get(key, _NONE))} -> {_shown(now.get(key, _NONE))}"
-        if _plain(saved.get(key)) and _plain(now.get(key))
-        else f"{key} changed"
-        for key in keys
-        if key not in saved or key not in now or not _same(saved[key], now[key])
-    ]
-    return ", ".join(moved[:3]) + (f" (and {len(moved) - 3} more)" if len(moved) > 3 else "")
-
-
-_NONE = "(none)"  # a key that is not there, in a message
-
-
-def _plain(value: Any) -> bool:
-    """Whether a message shows ``value`` (a number, a one-element tensor, or a short list or tuple of them)
-    or only says it changed (a sub-scheduler's state, ...)."""
-    if isinstance(value, (list, tuple)):
-        return len(value) <= 4 and all(_plain(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _shown(value: Any) -> str:
-    """A recorded value in a message: a one-element tensor as its number, anything else cut short."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return repr(value.item())
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_shown(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    return value if value is _NONE else short(value, limit=40)
-
-
-class _NoUpdates:
-    """The step as ``tune_loader`` calls it: an optimizer step inside it is refused before it changes a thing,
-    and the rest of the training state it moves is put back and refused.
-
-    While tuning, one global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, removed
-    after) raises :class:`~speedups.SpeedupsError` when a ``torch.optim.Optimizer`` steps inside a
-    call of the step in this thread: the weights and the optimizer's state are as they were. A step that
-    catches the error and goes on is refused when it returns. What an update moves besides (a scheduler, the
-    optimizers' hyperparameters, a GradScaler: :class:`_TrainingState`) is compared after calls 1, 2, 4, 8,
-    ... and when tuning ends (:meth:`check`); a change is put back, then refused.
-    """
-
-    def __init__(self, step: Callable[[Any], object], said: str, state: _TrainingState) -> None:
-        self.step, self.said, self.state = step, said, state
-        self.calls = 0
-        self.thread: int | None = None  # the thread inside a call of the step, None between calls
-        self.refused = ""
-
-    def __call__(self, batch: Any) -> object:
-        self.calls += 1
-        self.thread = threading.get_ident()
-        try:
-            out = self.step(batch)
-        finally:
-            self.thread = None
-        if self.refused:  # the step caught the refusal and went on: the optimizer still did not step
-            raise SpeedupsError(self.refused)
-        if self.calls & (self.calls - 1) == 0:  # calls 1, 2, 4, 8, ...: log2(calls) comparisons in all
-            self.check()
-        return out
-
-    def check(self) -> None:
-        """Refuse a step that moved a scheduler, a hyperparameter or a GradScaler, once they are put back.
-
-        Raises:
-            SpeedupsError: something moved since tuning began; it is as it was before tuning now.
-        """
-        changes = self.state.changes()
-        if not changes:
-            return
-        self.state.put_back()
-        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
-        raise SpeedupsError(
-            f"{self.said}: the step moved the training state by timed batch {self.calls}: {shown}. Run on "
-            f"every timed batch (thousands), it would move it before training starts (a "
-            f"StepLR(step_size=100, gamma=0.5) stepped at each timed batch left lr at 4.5e-14 after 1 s); it "
-            f"is put back exactly as it was before tuning. {_ALLOWED}. {_PROBE_FIX}."
-        )
-
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.thread is None or self.thread != threading.get_ident():
-            return  # not inside the step (another thread's optimizer, or after tuning)
-        self.refused = (
-            f"{self.said}: the step called {type(optimizer).__name__}.step() on timed batch {self.calls}: "
-            f"run on every timed batch (thousands), it would train the model before training starts; refused "
-            f"before that optimizer changed anything (the weights and its state are as they were, the "
-            f"gradients the step's backward left are still there). {_ALLOWED}. {_PROBE_FIX}."
-        )
-        raise SpeedupsError(self.refused)
-
-
 @contextmanager
 def _closing(bar: Any) -> Iterator[None]:
     """Close the progress bar (None: none) when the block ends, whatever ends it."""
@@ -533,31 +201,6 @@ def _closing(bar: Any) -> Iterator[None]:
     finally:
         if bar is not None:
             bar.close()
-
-
-@contextmanager
-def _updates_refused(
-    step: Callable[[Any], object] | None, said: str
-) -> Iterator[Callable[[Any], object] | None]:
-    """``step`` wrapped in :class:`_NoUpdates`, with its optimizer step pre-hook registered for the block and
-    the training state (:class:`_TrainingState`) recorded when it starts, checked when it ends and put back
-    whatever ends it.
-
-    Raises:
-        SpeedupsError: the block ended well and the state moved (put back first).
-    """
-    if step is None:
-        yield None
-        return
-    state = _TrainingState.capture()
-    guarded = _NoUpdates(step, said, state)
-    handle = register_optimizer_step_pre_hook(guarded.before_optimizer_step)
-    try:
-        yield guarded
-        guarded.check()  # a step that moved something after the last power-of-two call
-    finally:
-        handle.remove()
-        state.put_back()  # a no-op where nothing moved; an error in flight keeps its own message
 
 
 def tune_loader(
@@ -645,8 +288,8 @@ def tune_loader(
         0
     """
     explicit = _check_tune_args(loader, max_seconds, candidates, progress, step, num_threads)
-    said = f"tune_loader(step={_name(step)})"
-    _refuse_accumulate_step(step, said)  # before anything runs
+    said = f"tune_loader(step={step_name(step)})"
+    refuse_accumulate_step(step, said)  # before anything runs
     began = time.perf_counter()
     deadline = began + float(max_seconds)
     method = start_method(loader.multiprocessing_context)
@@ -741,7 +384,7 @@ def tune_loader(
     measured: dict[Setting, LoaderTrial] = {}
     with (
         preserved_rng(loader.generator, *sampler_generators(loader)),
-        _updates_refused(step, said) as timed_step,  # an optimizer step inside the step: refused
+        updates_refused(step, said) as timed_step,  # an optimizer step inside the step: refused
         _closing(bar),
     ):
         sampling = timing_sampling(loader)
