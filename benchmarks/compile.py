@@ -31,46 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from benchmarks._gpt import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``; ``x`` is
-    ``(batch, seq, width)``."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, ``depth`` blocks, a final norm and a head: ``(batch, seq)`` token ids
-    to ``(batch, seq, vocab)`` logits."""
-
-    def __init__(self, depth: int, width: int = 128, heads: int = 4, vocab: int = 256, seq: int = 64) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
-        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 def _one(way: str, depth: int, steps: int, backend: str = "inductor") -> dict[str, float]:

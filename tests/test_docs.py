@@ -32,7 +32,10 @@ README_BLOCKS = set(python_blocks(README))
 # Pages about one tip or topic open with when to use it (at most three lines), then a runnable example.
 TIP_AND_TOPIC_PAGES = sorted(
     [*(DOCS / "tips").glob("*.md"), *(p for p in (DOCS / "gpu").glob("*.md") if p.name != "index.md")]
-    + [DOCS / name for name in ("checkpoints.md", "long-runs.md", "metrics.md", "migration.md")]
+    + [
+        DOCS / name
+        for name in ("checkpoints.md", "long-runs.md", "metrics.md", "migration.md", "transformer.md")
+    ]
 )
 
 

@@ -47,8 +47,9 @@ _MATMUL_CALLS = frozenset(
 
 
 class SampleMode(TorchFunctionMode):
-    """Active during a sampled step: counts host syncs and bf16 matrix work on the CPU, and in debug mode
-    keeps weak references to the scalar tensors with an autograd graph (the losses) made in the step.
+    """Active during a sampled step: counts host syncs, bf16 matrix work on the CPU and the FLOPs of fp32
+    matrix work on the CPU (:func:`matmul_flops`), and in debug mode keeps weak references to the scalar
+    tensors with an autograd graph (the losses) made in the step.
 
     A ``TorchFunctionMode`` (public API, above autograd) sees every Python-level tensor call, and the calls
     that read a device value into Python are exactly the syncs a loop writes by hand: ``.item()``,
@@ -60,6 +61,7 @@ class SampleMode(TorchFunctionMode):
         super().__init__()
         self.syncs = 0
         self.cpu_bf16_matmuls = 0
+        self.cpu_fp32_matmul_flops = 0.0
         self.loss_refs = loss_refs
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -79,6 +81,13 @@ class SampleMode(TorchFunctionMode):
             and out.device.type == "cpu"
         ):
             self.cpu_bf16_matmuls += 1
+        elif (
+            name in _MATMUL_CALLS
+            and isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+            and out.device.type == "cpu"
+        ):
+            self.cpu_fp32_matmul_flops += matmul_flops(name, args, out)
         if (
             self.loss_refs is not None
             and isinstance(out, torch.Tensor)
@@ -87,6 +96,28 @@ class SampleMode(TorchFunctionMode):
         ):
             self.loss_refs.append(weakref.ref(out))
         return out
+
+
+def matmul_flops(name: str, args: Any, out: torch.Tensor) -> float:
+    """FLOPs of one matrix call from its shapes: ``2 x outputs x inner size`` (``linear``, ``matmul``,
+    ``mm``, ``bmm``, ``addmm``, ``baddbmm``), ``4 x queries x keys x head width`` for
+    ``scaled_dot_product_attention``; times 3 when the output requires grad (the backward's two products).
+    0 for the calls not counted here (``einsum``, convolutions) and for arguments that are not tensors.
+    """
+    try:
+        if name == "scaled_dot_product_attention":
+            q, k = args[0], args[1]
+            flops = 4.0 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+        elif name in ("linear", "matmul", "__matmul__", "mm", "bmm"):
+            inner = args[1].shape[-1] if name == "linear" else args[0].shape[-1]
+            flops = 2.0 * out.numel() * inner
+        elif name in ("addmm", "baddbmm"):
+            flops = 2.0 * out.numel() * args[1].shape[-1]
+        else:
+            return 0.0
+    except (AttributeError, IndexError, TypeError):
+        return 0.0
+    return flops * (3 if out.requires_grad else 1)
 
 
 def reads_the_device(tensor: Any) -> bool:
@@ -126,6 +157,7 @@ class Counts:
 
     syncs: int
     cpu_bf16_matmuls: int
+    cpu_fp32_matmul_flops: float
     cache_frees: int | None
     loss_refs: list[weakref.ref[torch.Tensor]] | None
     gpu: GpuActivity | None
@@ -167,7 +199,14 @@ class Sampling:
             syncs = max(syncs, sum(_SYNC_WARNING in str(w.message) for w in cuda.caught or ()))
             cache_frees = _device_frees() - cuda.frees_before
             gpu = cuda.kernels.stop() if cuda.kernels is not None else None
-        return Counts(syncs, counter.cpu_bf16_matmuls, cache_frees, counter.loss_refs, gpu)
+        return Counts(
+            syncs,
+            counter.cpu_bf16_matmuls,
+            counter.cpu_fp32_matmul_flops,
+            cache_frees,
+            counter.loss_refs,
+            gpu,
+        )
 
 
 def gpus_in_use() -> list[int]:

@@ -19,7 +19,7 @@ import torch
 import wrapt
 
 from speedups._helpers import validate
-from speedups._helpers.hardware import cpu_has_native_bf16, usable_cpus
+from speedups._helpers.hardware import cpu_fp32_matmul_rate, cpu_has_native_bf16, usable_cpus
 from speedups._helpers.wrappers import unwrap
 from speedups.errors import SpeedupsError
 from speedups.kernels.tf32 import cudnn_allowed, matmul_allowed
@@ -82,6 +82,8 @@ class StepRecord:
         sampled: whether syncs were counted on this step (then slower, so left out of the means).
         cache_frees: CUDA memory blocks returned to the driver during a sampled step.
         cpu_bf16_matmuls: bf16 matrix ops seen on the CPU during a sampled step.
+        cpu_fp32_matmul_flops: the FLOPs of fp32 matrix ops on the CPU during a sampled step (forward and
+            backward, estimated from the forward calls' shapes); 0.0 on steps not sampled.
         syncs: host-device syncs counted on a sampled step (``.item()``, ``float(t)``, ``.tolist()``, ...).
         device_s: the step's span on the GPU from CUDA events (idle gaps included), filled in when the
             report is made.
@@ -101,6 +103,7 @@ class StepRecord:
     device_s: float | None = None
     cache_frees: int | None = None
     cpu_bf16_matmuls: int = 0
+    cpu_fp32_matmul_flops: float = 0.0
     kernel_s: float | None = None
     gpu: GpuActivity | None = None
     tf32: tuple[bool, bool] | None = None
@@ -338,6 +341,7 @@ class StepProfiler:
         if sampling is not None:
             counts = sampling.end()
             record.syncs, record.cpu_bf16_matmuls = counts.syncs, counts.cpu_bf16_matmuls
+            record.cpu_fp32_matmul_flops = counts.cpu_fp32_matmul_flops
             record.cache_frees, loss_refs = counts.cache_frees, counts.loss_refs
             record.gpu = counts.gpu
             if counts.gpu is not None:
@@ -408,12 +412,25 @@ class StepProfiler:
             cache_frees_per_step=statistics.fmean(frees) if frees else None,
             cpu_bf16_matmuls=sum(r.cpu_bf16_matmuls for r in self.steps),
             native_cpu_bf16=cpu_has_native_bf16(),
+            cpu_fp32_matmul_share=self._cpu_fp32_matmul_share(sampled, mean_step),
             loader_workers=self._loader_workers,
             usable_cpus=usable_cpus(),
             peak_memory=peak_memory(),
             activations=self._activation_memory(),
             **self._gpu_shares(total),
         )
+
+    @staticmethod
+    def _cpu_fp32_matmul_share(sampled: list[StepRecord], mean_step: float) -> float | None:
+        """The share of the mean step that the sampled steps' fp32 matrix work on the CPU takes at this CPU's
+        fp32 matmul rate; None unless the CPU computes bf16 natively and no bf16 matrix work was seen (the
+        advice is then to move that work to bf16)."""
+        flops = [r.cpu_fp32_matmul_flops for r in sampled]
+        if not flops or not any(flops) or mean_step <= 0 or not cpu_has_native_bf16():
+            return None
+        if any(r.cpu_bf16_matmuls for r in sampled):
+            return None
+        return min(statistics.fmean(flops) / cpu_fp32_matmul_rate() / mean_step, 1.0)
 
     def _gpu_shares(self, total: float) -> dict[str, Any]:
         """The Summary's fields from the GPU trace of the sampled steps: the mean seconds of each kind of

@@ -337,3 +337,80 @@ def test_pageable_copies_in_the_step_are_copies_on_the_compute_stream() -> None:
     s = prof.summary()
     assert s.htod_compute_fraction is not None and s.htod_compute_fraction >= HTOD_SHARE, prof.report()
     assert "copies-on-compute-stream" in rules_fired(prof)
+
+
+# --------------------------------------------------------------- fp32 matrix work on a native-bf16 CPU
+def test_matmul_flops_counts_each_call_from_its_shapes() -> None:
+    x, w = torch.randn(5, 7), torch.randn(3, 7)
+    assert _measure.matmul_flops("linear", (x, w), torch.empty(5, 3)) == 2 * 5 * 3 * 7
+    assert _measure.matmul_flops("mm", (x, w.T), torch.empty(5, 3)) == 2 * 5 * 3 * 7
+    a, b = torch.randn(2, 5, 7), torch.randn(2, 7, 3)
+    assert _measure.matmul_flops("bmm", (a, b), torch.empty(2, 5, 3)) == 2 * 2 * 5 * 3 * 7
+    assert _measure.matmul_flops("addmm", (torch.zeros(3), x, w.T), torch.empty(5, 3)) == 2 * 5 * 3 * 7
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 32, 8)  # 16 queries, 32 keys, heads 8 wide
+    assert _measure.matmul_flops("scaled_dot_product_attention", (q, k, k), q) == 4 * 2 * 4 * 16 * 32 * 8
+    needs_grad = torch.empty(5, 3, requires_grad=True)  # forward and the backward's two products
+    assert _measure.matmul_flops("linear", (x, w), needs_grad) == 3 * 2 * 5 * 3 * 7
+    assert _measure.matmul_flops("einsum", ("ij,jk", x, w.T), torch.empty(5, 3)) == 0
+    assert _measure.matmul_flops("linear", (x,), torch.empty(5, 3)) == 0  # malformed: not counted
+
+
+def test_cpu_fp32_rule_fires_on_an_fp32_step_of_a_native_bf16_cpu(monkeypatch) -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    batches = [torch.randn(32, 64) for _ in range(4)]
+    monkeypatch.setattr(profiler, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(
+        profiler, "cpu_fp32_matmul_rate", lambda: 1.0
+    )  # 1 FLOP/s: any share is the whole step
+
+    def run(autocast: bool):
+        with profile_steps(warmup=0, sample_every=1) as prof:
+            for x in prof.iter(batches):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = mlp(x)
+                out.float().sum().backward()
+        return prof
+
+    fp32 = run(False)
+    sampled = [r for r in fp32.steps if r.syncs is not None]
+    # each sampled step: two Linear layers, forward and backward (x3), counted from the shapes
+    assert sampled and all(r.cpu_fp32_matmul_flops == 3 * 2 * 32 * (64 * 128 + 128 * 10) for r in sampled)
+    summary = fp32.summary()
+    assert summary.cpu_fp32_matmul_share == 1.0
+    advice = {a.rule: a for a in fp32.advice()}
+    assert advice["cpu-fp32-matmul"].value == pytest.approx(0.5)
+    assert "@mixed_precision()" in advice["cpu-fp32-matmul"].fix and "100% of the step" in str(fp32.report())
+
+    bf16 = run(True)  # the step already runs its products in bf16: nothing to advise
+    assert bf16.summary().cpu_fp32_matmul_share is None and "cpu-fp32-matmul" not in rules_fired(bf16)
+    with profile_steps(warmup=0, sample_every=1) as mixed:  # autocast on, one product kept in fp32 on purpose
+        for x in mixed.iter(batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = mlp[1](mlp[0](x))
+            mlp[2](hidden.float()).sum().backward()
+    assert any(r.cpu_fp32_matmul_flops for r in mixed.steps) and any(r.cpu_bf16_matmuls for r in mixed.steps)
+    assert mixed.summary().cpu_fp32_matmul_share is None and "cpu-fp32-matmul" not in rules_fired(mixed)
+    monkeypatch.setattr(profiler, "cpu_has_native_bf16", lambda: False)  # bf16 emulated: fp32 is right
+    assert fp32.summary().cpu_fp32_matmul_share is None and "cpu-fp32-matmul" not in rules_fired(fp32)
+
+
+def test_cpu_fp32_rule_needs_a_quarter_of_the_step_on_a_cpu() -> None:
+    from speedups.profiling.advice import CPU_FP32_SHARE
+
+    cpu = dataclasses.replace(BASE, device_type="cpu", device_busy_fraction=None)
+    assert advise(dataclasses.replace(cpu, cpu_fp32_matmul_share=None)) == []
+    assert advise(dataclasses.replace(cpu, cpu_fp32_matmul_share=CPU_FP32_SHARE - 0.01)) == []
+    fired = advise(dataclasses.replace(cpu, cpu_fp32_matmul_share=0.6))
+    assert [a.rule for a in fired] == ["cpu-fp32-matmul"] and fired[0].value == pytest.approx(0.3)
+    assert "60% of the step" in fired[0].message
+    assert advise(dataclasses.replace(BASE, cpu_fp32_matmul_share=0.6)) == []  # a CUDA step: the TF32 rule's
+
+
+def test_the_matmul_rate_draws_no_random_numbers() -> None:
+    from speedups._helpers.hardware import cpu_fp32_matmul_rate
+
+    cpu_fp32_matmul_rate.cache_clear()
+    state = torch.get_rng_state()
+    assert cpu_fp32_matmul_rate() > 0
+    assert torch.equal(torch.get_rng_state(), state)
