@@ -3,6 +3,7 @@
     python -m benchmarks.language_model --reps 3    # under 8 minutes on 2 cores
     python -m benchmarks.language_model --quick     # smoke mode: a tiny model, one repetition
     python -m benchmarks.language_model --device cuda   # the same five loops on a GPU; writes results/gpu.md
+    OUT=dir bash benchmarks/gpu_run.sh                  # on a GPU machine: with pytest -m cuda, < 12 min
 
 The task: next-byte prediction on the standard library's own source (``_text.py``: the running Python's
 top-level ``*.py`` files, sorted, every tenth file held out for validation), a GPT of 6 identical pre-norm
