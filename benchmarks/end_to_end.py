@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import importlib.util
 import os
 import statistics
 import time
@@ -59,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from benchmarks import _peers
 from benchmarks._digits32 import (
     SIZE,
     STORED,
@@ -70,6 +70,7 @@ from benchmarks._digits32 import (
     load_task,
     make_model,
 )
+from benchmarks._peers import PRECISION, fabric_class, fmt, median, missing_peers, shown
 from benchmarks._timing import RESULTS, save_chart, write_section
 from speedups import (
     LossTracker,
@@ -226,11 +227,6 @@ def expert(task: Task, s: Setup) -> Outcome:
             )
 
 
-_PRECISION = {
-    torch.bfloat16: ("bf16", "bf16-mixed"),
-    torch.float16: ("fp16", "16-mixed"),
-    None: ("no", "32-true"),
-}
 
 
 def accelerate_row(task: Task, s: Setup) -> Outcome:
@@ -241,7 +237,7 @@ def accelerate_row(task: Task, s: Setup) -> Outcome:
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     accelerator = Accelerator(
-        mixed_precision=_PRECISION[s.dtype][0],
+        mixed_precision=PRECISION[s.dtype][0],
         gradient_accumulation_steps=s.accum,
         cpu=s.device.type == "cpu",
     )
@@ -262,21 +258,15 @@ def accelerate_row(task: Task, s: Setup) -> Outcome:
         if race.epoch_done(accuracy(model, task, accelerator.device, accelerator.autocast())):
             accelerator.free_memory()
             return race.outcome(
-                f"mixed_precision={_PRECISION[s.dtype][0]!r}, accumulate({s.accum}), loss {epoch_loss:.3f}"
+                f"mixed_precision={PRECISION[s.dtype][0]!r}, accumulate({s.accum}), loss {epoch_loss:.3f}"
             )
 
 
-def _fabric_class() -> type:
-    try:
-        from lightning.fabric import Fabric
-    except ImportError:
-        from lightning_fabric import Fabric  # the standalone lightning-fabric package
-    return Fabric
 
 
 def fabric_row(task: Task, s: Setup) -> Outcome:
     race = Race(s.target, s.max_epochs)
-    fabric = _fabric_class()(accelerator=s.device.type, devices=1, precision=_PRECISION[s.dtype][1])
+    fabric = fabric_class()(accelerator=s.device.type, devices=1, precision=PRECISION[s.dtype][1])
     fabric.launch()
     torch.manual_seed(s.seed)
     model = make_model()
@@ -301,7 +291,7 @@ def fabric_row(task: Task, s: Setup) -> Outcome:
         epoch_loss = total.item() / len(task.train)  # one sync per epoch, as expert's
         if race.epoch_done(accuracy(model, task, fabric.device, fabric.autocast())):
             return race.outcome(
-                f"precision={_PRECISION[s.dtype][1]!r}, no_backward_sync, accumulate {s.accum}, "
+                f"precision={PRECISION[s.dtype][1]!r}, no_backward_sync, accumulate {s.accum}, "
                 f"loss {epoch_loss:.3f}"
             )
 
@@ -315,13 +305,6 @@ ROWS: dict[str, Callable[[Task, Setup], Outcome]] = {
 }
 
 
-def _missing_peers() -> dict[str, str]:
-    missing = {}
-    if importlib.util.find_spec("accelerate") is None:
-        missing["accelerate"] = "not installed (pip install -e '.[bench]')"
-    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("lightning_fabric") is None:
-        missing["fabric"] = "not installed (pip install -e '.[bench]')"
-    return missing
 
 
 def _warm_up(task: Task, s: Setup) -> tuple[float, float]:
@@ -358,8 +341,6 @@ def _warm_up(task: Task, s: Setup) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _fmt(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -397,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )  # fmt: skip
     load_ms, step_ms = _warm_up(task, setup)
 
-    skipped = _missing_peers()
+    skipped = missing_peers()
     names = [n for n in ROWS if n in args.rows and n not in skipped]
     results: dict[str, list[Outcome]] = {n: [] for n in names}
     for rep in range(reps):
@@ -417,14 +398,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     seconds = {n: statistics.median(o.seconds for o in r) for n, r in done.items()}
 
     def paired(num: str, den: str) -> list[float] | None:
-        """``num``'s time to target over ``den``'s, per repetition (run minutes apart at most, so a machine
-        that gets busier or quieter between repetitions moves both alike); None if either row is missing."""
-        if num not in done or den not in done:
-            return None
-        return [a.seconds / b.seconds for a, b in zip(done[num], done[den], strict=True)]
+        return _peers.paired(done, num, den)
 
-    def median(ratios: list[float] | None) -> float | None:
-        return None if ratios is None else statistics.median(ratios)
 
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
     out = [
@@ -442,11 +417,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{'set-up (untimed)':>17}",
     ]
 
-    def shown(ratios: list[float] | None) -> str:
-        if ratios is None:
-            return "n/a"
-        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-        return f"{statistics.median(ratios):.2f}x{spread}"
 
     for name, runs in done.items():
         missed = sum(not o.reached for o in runs)
@@ -478,8 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     y = median(paired("after", "expert"))
     out.append(
-        f"end_to_end: speedups {_fmt(vs_before('after'))} faster than before, {_fmt(y)} of expert, "
-        f"accelerate {_fmt(vs_before('accelerate'))}, fabric {_fmt(vs_before('fabric'))}"
+        f"end_to_end: speedups {fmt(vs_before('after'))} faster than before, {fmt(y)} of expert, "
+        f"accelerate {fmt(vs_before('accelerate'))}, fabric {fmt(vs_before('fabric'))}"
     )
     text = "\n".join(out)
     print(text, flush=True)

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.util
 import math
 import os
 import platform
@@ -79,7 +78,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler
 
+from benchmarks import _peers
 from benchmarks._gpt import GPT
+from benchmarks._peers import PRECISION, fabric_class, fmt, median, missing_peers, shown
 from benchmarks._text import Corpus, load_corpus
 from benchmarks._timing import RESULTS, save_chart, write_section
 from speedups import (
@@ -325,11 +326,6 @@ def expert(corpus: Corpus, s: Setup) -> Outcome:
                         f"{total.item() / (i + 1):.3f}")  # fmt: skip
 
 
-_PRECISION = {
-    torch.bfloat16: ("bf16", "bf16-mixed"),
-    torch.float16: ("fp16", "16-mixed"),
-    None: ("no", "32-true"),
-}
 
 
 def accelerate_row(corpus: Corpus, s: Setup) -> Outcome:
@@ -341,7 +337,7 @@ def accelerate_row(corpus: Corpus, s: Setup) -> Outcome:
     optimizer = optimizer_for(model, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     accelerator = Accelerator(
-        mixed_precision=_PRECISION[s.dtype][0], gradient_accumulation_steps=ACCUM, cpu=s.device.type == "cpu",
+        mixed_precision=PRECISION[s.dtype][0], gradient_accumulation_steps=ACCUM, cpu=s.device.type == "cpu",
         dynamo_plugin=TorchDynamoPlugin(backend=s.backend, use_regional_compilation=True),
     )  # fmt: skip
     model, optimizer, loader, scheduler = accelerator.prepare(
@@ -365,22 +361,16 @@ def accelerate_row(corpus: Corpus, s: Setup) -> Outcome:
             if race.due(updates) and race.done(model, updates, accelerator.autocast()):
                 break
     accelerator.free_memory()
-    return race.outcome(f"mixed_precision={_PRECISION[s.dtype][0]!r}, regional compilation, "
+    return race.outcome(f"mixed_precision={PRECISION[s.dtype][0]!r}, regional compilation, "
                         f"accumulate({ACCUM}), "
                         f"train loss {total.item() / (updates * ACCUM):.3f}")  # fmt: skip
 
 
-def _fabric_class() -> type:
-    try:
-        from lightning.fabric import Fabric
-    except ImportError:
-        from lightning_fabric import Fabric  # the standalone lightning-fabric package
-    return Fabric
 
 
 def fabric_row(corpus: Corpus, s: Setup) -> Outcome:
     race = Race(s, corpus)
-    fabric = _fabric_class()(accelerator=s.device.type, devices=1, precision=_PRECISION[s.dtype][1])
+    fabric = fabric_class()(accelerator=s.device.type, devices=1, precision=PRECISION[s.dtype][1])
     fabric.launch()
     model = s.shape.model(s.seed)
     optimizer = optimizer_for(model, fused=True)
@@ -404,7 +394,7 @@ def fabric_row(corpus: Corpus, s: Setup) -> Outcome:
             updates += 1
             if race.due(updates) and race.done(model, updates, fabric.autocast()):
                 break
-    return race.outcome(f"precision={_PRECISION[s.dtype][1]!r}, torch.compile(model), no_backward_sync, "
+    return race.outcome(f"precision={PRECISION[s.dtype][1]!r}, torch.compile(model), no_backward_sync, "
                         f"train loss {total.item() / (i + 1):.3f}")  # fmt: skip
 
 
@@ -421,13 +411,6 @@ def _needed(s: Setup) -> int:
     return s.max_steps * MICRO * ACCUM
 
 
-def _missing_peers() -> dict[str, str]:
-    missing = {}
-    if importlib.util.find_spec("accelerate") is None:
-        missing["accelerate"] = "not installed (pip install -e '.[bench]')"
-    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("lightning_fabric") is None:
-        missing["fabric"] = "not installed (pip install -e '.[bench]')"
-    return missing
 
 
 # ------------------------------------------------------------------------------------------------ the limit
@@ -478,8 +461,6 @@ def _warm_up(corpus: Corpus, s: Setup) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _fmt(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -522,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cold = _warm_up(corpus, setup)
     flops_per_step = shape.model(0).flops_per_token() * shape.seq * MICRO * ACCUM
 
-    skipped = _missing_peers()
+    skipped = missing_peers()
     names = [n for n in ROWS if n in args.rows and n not in skipped]
     results: dict[str, list[Outcome]] = {n: [] for n in names}
     for rep in range(reps):
@@ -540,18 +521,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     done = {n: r for n, r in results.items() if r and n not in skipped}
 
     def paired(num: str, den: str) -> list[float] | None:
-        if num not in done or den not in done:
-            return None
-        return [a.seconds / b.seconds for a, b in zip(done[num], done[den], strict=True)]
+        return _peers.paired(done, num, den)
 
-    def median(ratios: list[float] | None) -> float | None:
-        return None if ratios is None else statistics.median(ratios)
 
-    def shown(ratios: list[float] | None) -> str:
-        if ratios is None:
-            return "n/a"
-        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-        return f"{statistics.median(ratios):.2f}x{spread}"
 
     def mfu(name: str) -> float:
         return flops_per_step / statistics.median(o.step_s for o in done[name]) / rates[peak_name]
@@ -603,14 +575,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out.append(f"chart: {chart}")
 
     def vs_before(name: str) -> str:
-        return _fmt(median(paired("before", name)))
+        return fmt(median(paired("before", name)))
 
     def mfu_of(name: str) -> str:
         return f"{100 * mfu(name):.0f}%" if name in done else "n/a"
 
     out.append(
         f"language_model: speedups {vs_before('after')} faster than before, "
-        f"{_fmt(median(paired('after', 'expert')))} of expert, accelerate {vs_before('accelerate')}, "
+        f"{fmt(median(paired('after', 'expert')))} of expert, accelerate {vs_before('accelerate')}, "
         f"fabric {vs_before('fabric')}; MFU after {mfu_of('after')} expert {mfu_of('expert')}"
     )
     text = "\n".join(out)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests._dist import ROOT
+from tests._bench import run_quick
 
 LAST_LINE = re.compile(
     r"end_to_end: speedups (\d+\.\d\d)x faster than before, (\d+\.\d\d)x of expert, "
@@ -20,19 +17,14 @@ LAST_LINE = re.compile(
 
 @pytest.mark.slow  # a subprocess that trains five loops (about 20 s of CPU)
 def test_quick_run_prints_every_row_and_the_headline_last(tmp_path) -> None:
-    env = dict(os.environ, SPEEDUPS_BENCH_RESULTS=str(tmp_path), PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.end_to_end", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.strip().splitlines()
+    stdout = run_quick("end_to_end", timeout=400, results=tmp_path)
+    lines = stdout.strip().splitlines()
     assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
     for row in ["before", "after", "expert", "accelerate", "fabric"]:
         # each row is timed, or says why it could not run
         assert any(re.match(rf"{row} +\d+\.\d\d s", line) for line in lines) or any(
             line.startswith(f"{row}: skipped: ") for line in lines
-        ), (row, out.stdout)
+        ), (row, stdout)
     before = next(line for line in lines if line.startswith("before "))
     assert "1.00x" in before.split("s", 1)[1]  # before is the reference of its own ratio
     latest = (tmp_path / "latest.md").read_text()

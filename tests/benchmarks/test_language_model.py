@@ -4,10 +4,7 @@ mode (not its timings)."""
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from torch import nn
 from benchmarks import language_model as lm
 from benchmarks._gpt import GPT
 from benchmarks._text import TokenWindows, load_corpus, stdlib_files
-from tests._dist import ROOT
+from tests._bench import run_quick
 
 LAST_LINE = re.compile(
     r"language_model: speedups (\d+\.\d\d)x faster than before, (\d+\.\d\d)x of expert, "
@@ -75,25 +72,20 @@ def test_the_gpu_results_file_names_the_device_and_versions(tmp_path, monkeypatc
 
 @pytest.mark.slow  # a subprocess that trains five loops of a tiny GPT (about 20 s of CPU)
 def test_quick_run_prints_every_row_mfu_and_the_headline_last(tmp_path) -> None:
-    env = dict(os.environ, SPEEDUPS_BENCH_RESULTS=str(tmp_path), PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.language_model", "--quick", "--backend", "aot_eager"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.strip().splitlines()
+    stdout = run_quick("language_model", "--backend", "aot_eager", timeout=400, results=tmp_path)
+    lines = stdout.strip().splitlines()
     assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
     for row in ["before", "after", "expert", "accelerate", "fabric"]:
         assert any(re.match(rf"{row} +\d+\.\d s[ *] +\d+ +\d+ ms +\d+\.\d% ", line) for line in lines) or any(
             line.startswith(f"{row}: skipped: ") for line in lines
-        ), (row, out.stdout)
+        ), (row, stdout)
     before = next(line for line in lines if line.startswith("before "))
     assert "1.00x" in before.split("%", 1)[1]  # before is the reference of its own ratio
-    assert re.search(r"machine: matmul 2048x2048 bf16 \d+ GFLOP/s, fp32 \d+ GFLOP/s", out.stdout)
+    assert re.search(r"machine: matmul 2048x2048 bf16 \d+ GFLOP/s, fp32 \d+ GFLOP/s", stdout)
     # every loop trained the same model on the same data in the same order: the same loss in fp32 and bf16
     losses = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r"  (\w+): .*final validation loss ([\d.]+)", out.stdout)
+        for m in re.finditer(r"  (\w+): .*final validation loss ([\d.]+)", stdout)
     }
     assert len(losses) >= 3 and max(losses.values()) - min(losses.values()) < 0.05, losses
     latest = (tmp_path / "latest.md").read_text()
