@@ -480,6 +480,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="a subset of the rows"
     )
     args = parser.parse_args(argv)
+    for flag, value in (("--reps", args.reps), ("--max-steps", args.max_steps), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: expected an int >= 1 (or leave it out for the default)")
+    if args.target is not None and not args.target > 0:
+        parser.error(f"--target {args.target}: expected a validation loss > 0 (nats per byte; ln 256 = 5.55)")
     reps = args.reps or (1 if args.quick else 3)
     target = args.target or (3.2 if args.quick else 2.76)
     max_steps = args.max_steps or (40 if args.quick else 150)

@@ -91,3 +91,18 @@ def test_quick_run_prints_every_row_mfu_and_the_headline_last(tmp_path) -> None:
     latest = (tmp_path / "latest.md").read_text()
     assert "## language_model\n\n```\n" in latest and lines[-1] in latest
     assert (tmp_path / "language_model.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--reps", "0"], "--reps 0: expected an int >= 1"),
+        (["--max-steps", "-3"], "--max-steps -3: expected an int >= 1"),
+        (["--threads", "0"], "--threads 0: expected an int >= 1"),
+        (["--target", "0"], "--target 0.0: expected a validation loss > 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(argv, says, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        lm.main(argv)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
