@@ -5,6 +5,9 @@
     python -m benchmarks.language_model --device cuda   # the same five loops on a GPU; writes results/gpu.md
     OUT=dir bash benchmarks/gpu_run.sh                  # on a GPU machine: with pytest -m cuda, < 12 min
 
+Results go to ``benchmarks/results/latest.md`` (its ``language_model`` section) and ``language_model.png``,
+over the committed ones: set ``SPEEDUPS_BENCH_RESULTS=DIR`` to write them elsewhere.
+
 The task: next-byte prediction on the standard library's own source (``_text.py``: the running Python's
 top-level ``*.py`` files, sorted, every tenth file held out for validation), a GPT of 6 identical pre-norm
 blocks (width 384, 6 heads 64 wide, context 256: nanoGPT's character-level size without dropout; ``_gpt.py``).
@@ -493,7 +496,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = args.threads or cpus
     torch.set_num_threads(threads)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as err:
+        parser.error(f"--device {args.device}: {err}")
     with warnings.catch_warnings():  # the after row warns itself if mixed_precision() stays in fp32 here
         warnings.simplefilter("ignore")
         dtype = mixed_precision(device_type=device.type).dtype
