@@ -395,7 +395,7 @@ def test_cpu_fp32_rule_fires_on_an_fp32_step_of_a_native_bf16_cpu(monkeypatch) -
     assert fp32.summary().cpu_fp32_matmul_share is None and "cpu-fp32-matmul" not in rules_fired(fp32)
 
 
-def test_cpu_fp32_rule_needs_a_quarter_of_the_step_on_a_cpu() -> None:
+def test_cpu_fp32_rule_needs_half_the_step_on_a_cpu() -> None:
     from speedups.profiling.advice import CPU_FP32_SHARE
 
     cpu = dataclasses.replace(BASE, device_type="cpu", device_busy_fraction=None)
