@@ -150,7 +150,10 @@ def _hint(entry: str | type, root: nn.Module) -> str:
     if isinstance(entry, type):
         classes = sorted({type(m).__name__ for _, m in model_blocks(root)})
         return f"Its blocks are of the classes {', '.join(classes)}."
-    close = difflib.get_close_matches(entry, [n for n, _ in root.named_modules() if n], n=3)
+    names = [n for n, _ in root.named_modules() if n]
+    if "*" in entry:  # a pattern: suggest the patterns that pick each module's siblings ('blocks.*')
+        names = sorted({n.rsplit(".", 1)[0] + ".*" for n in names if "." in n})
+    close = difflib.get_close_matches(entry, names, n=3)
     shown = ", ".join(repr(b) for b in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
     near = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return f"Its blocks are {shown}; a '*' matches one part of a dotted name.{near}"

@@ -177,7 +177,9 @@ def test_bad_input_is_refused_before_any_block_is_compiled() -> None:
                        r"torch.compile; it takes .*mode"):  # fmt: skip
         compile_blocks(model, "blocks.*", modee="max-autotune")
     with pytest.raises(
-        ValueError, match=r"'block.\*' matches no submodule of Blocks. Its blocks are 'inp', 'blocks.0'"
+        ValueError,
+        match=r"'block.\*' matches no submodule of Blocks. Its blocks are 'inp', 'blocks.0'.* Did you mean "
+        r"'blocks.\*'",  # first, the pattern the typo was for, not a single block
     ):
         compile_blocks(model, "block.*")
     with pytest.raises(ValueError, match=r"picks 'blocks', a ModuleList, .* nothing would be compiled"):
