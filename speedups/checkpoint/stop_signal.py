@@ -91,10 +91,10 @@ class StopOnSignal:
     Call :meth:`requested` once per micro-step, on every rank; it turns True on the same call on every rank
     once any process of the job got one of the ``signals`` (SLURM and torchrun signal every process; one
     rank's signal is enough). Save the checkpoint there (``save_checkpoint`` saves mid-window too, except for
-    an FSDP2 model, whose pending gradients it refuses: stop at a boundary there), then call :meth:`exit`. Loader workers of ``fast_loader``/``distributed()`` ignore these signals, so they still
-    serve the save. Made on every rank, before or after the process group starts; the first
-    :meth:`requested` makes its own gloo process group (a collective: every rank calls it from the first
-    micro-step on).
+    an FSDP2 model, whose pending gradients it refuses: stop at a boundary there), then call :meth:`exit`.
+    Loader workers of ``fast_loader``/``distributed()`` ignore these signals, so they still serve the save.
+    Made on every rank, before or after the process group starts; the first :meth:`requested` makes its own
+    gloo process group (a collective: every rank calls it from the first micro-step on).
     Handlers are installed in the main thread at construction; several ``StopOnSignal`` (a run directory's
     and your own) all hear a signal they watch; :meth:`close` (or leaving a ``with`` block) stops watching,
     and the handlers there before come back when none is left. Signals that arrive while already stopping
