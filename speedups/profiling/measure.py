@@ -74,20 +74,11 @@ class SampleMode(TorchFunctionMode):
             src = args[0] if args else None
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and _on_cpu(out):
                 self.syncs += 1
-        elif (
-            name in _MATMUL_CALLS
-            and isinstance(out, torch.Tensor)
-            and out.dtype == torch.bfloat16
-            and out.device.type == "cpu"
-        ):
-            self.cpu_bf16_matmuls += 1
-        elif (
-            name in _MATMUL_CALLS
-            and isinstance(out, torch.Tensor)
-            and out.dtype == torch.float32
-            and out.device.type == "cpu"
-        ):
-            self.cpu_fp32_matmul_flops += matmul_flops(name, args, out)
+        elif name in _MATMUL_CALLS and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            if out.dtype == torch.bfloat16:
+                self.cpu_bf16_matmuls += 1
+            elif out.dtype == torch.float32:
+                self.cpu_fp32_matmul_flops += matmul_flops(name, args, out)
         if (
             self.loss_refs is not None
             and isinstance(out, torch.Tensor)
