@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import os
 import statistics
 import time
@@ -70,7 +69,7 @@ from benchmarks._digits32 import (
     load_task,
     make_model,
 )
-from benchmarks._peers import PRECISION, fabric_class, fmt, median, missing_peers, shown
+from benchmarks._peers import PRECISION, fabric_class, fmt, median, notes, race, shown
 from benchmarks._timing import RESULTS, save_chart, write_section
 from speedups import (
     LossTracker,
@@ -378,22 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )  # fmt: skip
     load_ms, step_ms = _warm_up(task, setup)
 
-    skipped = missing_peers()
-    names = [n for n in ROWS if n in args.rows and n not in skipped]
-    results: dict[str, list[Outcome]] = {n: [] for n in names}
-    for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            if name in skipped:
-                continue
-            torch.set_num_threads(args.threads)  # a library must not change it for the next row
-            try:
-                results[name].append(ROWS[name](task, replace(setup, seed=rep)))
-            except Exception as err:  # a row that cannot run says why; the others go on
-                skipped[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            gc.collect()  # ends the row's loader workers before the next row starts
-    done = {n: r for n, r in results.items() if r and n not in skipped}
-    torch.set_num_threads(args.threads)
+    done, skipped = race(
+        lambda name, rep: ROWS[name](task, replace(setup, seed=rep)),
+        [n for n in ROWS if n in args.rows], reps, args.threads,
+    )  # fmt: skip
 
     seconds = {n: statistics.median(o.seconds for o in r) for n, r in done.items()}
 
@@ -417,7 +404,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{'set-up (untimed)':>17}",
     ]
 
-
     for name, runs in done.items():
         missed = sum(not o.reached for o in runs)
         epochs = statistics.median(o.epochs for o in runs)
@@ -427,15 +413,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{name:<11} {seconds[name]:>8.2f} s{'*' if missed else ' '}{epochs:>6g} {per_epoch:>8.3f} "
             f"{shown(paired('before', name)):>20} {shown(paired(name, 'expert')):>20} {setup_s:>15.2f} s"
         )
-    for name, runs in done.items():
-        accs = ", ".join(f"{o.accuracy:.3f}" for o in runs)
-        out.append(f"  {name}: {runs[-1].notes}; final accuracy {accs}")
-        missed = sum(not o.reached for o in runs)
-        if missed:
-            out.append(f"  * {name} missed the target in {missed} of {len(runs)} repetition(s) "
-                       f"(time to {max_epochs} epochs shown)")  # fmt: skip
-    for name, why in skipped.items():
-        out.append(f"{name}: skipped: {why}")
+    out += notes(
+        done, skipped, lambda runs: "final accuracy " + ", ".join(f"{o.accuracy:.3f}" for o in runs),
+        f"{max_epochs} epochs",
+    )  # fmt: skip
     speedups_ = {n: r for n in done if (r := median(paired("before", n))) is not None}
     if speedups_:
         chart = save_chart(

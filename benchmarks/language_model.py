@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import math
 import os
 import platform
@@ -83,7 +82,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from benchmarks import _peers
 from benchmarks._gpt import GPT
-from benchmarks._peers import PRECISION, fabric_class, fmt, median, missing_peers, shown
+from benchmarks._peers import PRECISION, fabric_class, fmt, median, notes, race, shown
 from benchmarks._text import Corpus, load_corpus
 from benchmarks._timing import RESULTS, save_chart, write_section
 from speedups import (
@@ -96,6 +95,7 @@ from speedups import (
     resolve_device,
     to_device,
 )
+from speedups._helpers.hardware import matmul_rate
 
 # the recipe, the same in every row
 LR, BETAS, WEIGHT_DECAY, CLIP = 2e-3, (0.9, 0.95), 0.1, 1.0
@@ -416,22 +416,7 @@ def _needed(s: Setup) -> int:
 
 
 
-# ------------------------------------------------------------------------------------------------ the limit
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP/s of an ``n x n`` matmul in ``dtype`` on ``device`` (the best of 3 timings after a warm-up)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = math.inf
-    for i in range(4):
-        _sync(device)
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        _sync(device)
-        if i >= 1:
-            best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
+# ----------------------------------------------------------------------------------------------- the warm-up
 def _warm_up(corpus: Corpus, s: Setup) -> dict[str, float]:
     """Compile each way once (cold: this run's inductor cache starts empty), and run the eager kernels.
 
@@ -514,22 +499,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cold = _warm_up(corpus, setup)
     flops_per_step = shape.model(0).flops_per_token() * shape.seq * MICRO * ACCUM
 
-    skipped = missing_peers()
-    names = [n for n in ROWS if n in args.rows and n not in skipped]
-    results: dict[str, list[Outcome]] = {n: [] for n in names}
-    for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            if name in skipped:
-                continue
-            torch.set_num_threads(threads)  # a library must not change it for the next row
-            torch.compiler.reset()  # each race compiles as a new process would, from the warm on-disk cache
-            try:
-                results[name].append(ROWS[name](corpus, replace(setup, seed=rep)))
-            except Exception as err:  # a row that cannot run says why; the others go on
-                skipped[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            gc.collect()  # ends the row's loader workers before the next row starts
-    done = {n: r for n, r in results.items() if r and n not in skipped}
+    done, skipped = race(
+        lambda name, rep: ROWS[name](corpus, replace(setup, seed=rep)),
+        [n for n in ROWS if n in args.rows], reps, threads,
+        before_each=torch.compiler.reset,  # each race compiles as a new process would, from the warm cache
+    )  # fmt: skip
 
     def paired(num: str, den: str) -> list[float] | None:
         return _peers.paired(done, num, den)
@@ -566,15 +540,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{100 * mfu(name):>5.1f}% {shown(paired('before', name)):>18} "
             f"{shown(paired(name, 'expert')):>18}"
         )
-    for name, runs in done.items():
-        losses = ", ".join(f"{o.val_loss:.3f}" for o in runs)
-        out.append(f"  {name}: {runs[-1].notes}; final validation loss {losses}")
-        missed = sum(not o.reached for o in runs)
-        if missed:
-            out.append(f"  * {name} missed the target in {missed} of {len(runs)} repetition(s) "
-                       f"(time to {max_steps} optimizer steps shown)")  # fmt: skip
-    for name, why in skipped.items():
-        out.append(f"{name}: skipped: {why}")
+    out += notes(
+        done, skipped, lambda runs: "final validation loss " + ", ".join(f"{o.val_loss:.3f}" for o in runs),
+        f"{max_steps} optimizer steps",
+    )  # fmt: skip
     speedups_ = {n: r for n in done if (r := median(paired("before", n))) is not None}
     if speedups_ and device.type == "cpu":
         chart = save_chart(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 import warnings
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "cpus_per_process",
     "gpu_has_native_bf16",
+    "matmul_rate",
     "usable_cpus",
 ]
 
@@ -50,23 +52,39 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_fp32_matmul_rate() -> float:
-    """This CPU's fp32 matrix-multiply rate in FLOP/s at torch's current thread count (measured once).
+def matmul_rate(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024
+) -> float:
+    """FLOP/s of an ``n x n`` ``torch.matmul`` in ``dtype`` on ``device`` at torch's current thread count.
 
-    The best of 3 timings of a 1024 x 1024 ``torch.matmul`` after one warm-up (about 10 ms on 2 cores): the
-    rate a well-shaped fp32 product reaches, against which the profiler prices a step's fp32 matrix work.
+    The best of 3 timings after one warm-up (the device synchronized around each on CUDA): the rate a
+    well-shaped product reaches. The operands are constant, so no random number is drawn and the run's RNG
+    streams stay as they were. Used by the profiler's ``cpu-fp32-matmul`` advice and the language-model
+    benchmark's MFU.
     """
-    import time
+    device = torch.device(device)
+    a = b = torch.full((n, n), 0.5, device=device, dtype=dtype)
 
-    a = b = torch.full((1024, 1024), 0.5)  # no random draw: the run's RNG streams stay as they were
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     torch.matmul(a, b)
     best = float("inf")
     for _ in range(3):
+        sync()
         start = time.perf_counter()
         torch.matmul(a, b)
+        sync()
         best = min(best, time.perf_counter() - start)
-    return 2 * 1024**3 / max(best, 1e-9)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_fp32_matmul_rate() -> float:
+    """This CPU's fp32 rate (:func:`matmul_rate` at 1024, about 10 ms on 2 cores), measured once: what the
+    profiler prices a step's fp32 matrix work against."""
+    return matmul_rate("cpu", torch.float32, 1024)
 
 
 def gpu_has_native_bf16(index: int | None = None) -> bool:
