@@ -49,6 +49,9 @@ and in fp32 on this device and thread count, and prints each loop's model FLOPs 
 state (``6 N + 12 L T d`` per token: PaLM's count, as nanoGPT's ``estimate_mfu``) as a share of the faster of
 the two rates: its MFU, how far the loop is from this machine.
 
+``SPEEDUPS_LM_TRACE=1`` prints each evaluation's loss and time as it happens (to choose a target that every
+loop crosses at the same evaluation).
+
 Repetitions are interleaved (each runs every row, in a rotated order); every ratio is taken within a
 repetition, and its median over repetitions is printed with the range. The last line is
 
@@ -188,6 +191,9 @@ class Race:
     intervals: list[float] = field(default_factory=list)  # training seconds between evaluations
     losses: list[float] = field(default_factory=list)
 
+    def __post_init__(self) -> None:  # the validation windows on the device once, before the clock starts
+        self.val_x, self.val_y = self.corpus.val_x.to(self.s.device), self.corpus.val_y.to(self.s.device)
+
     def start(self) -> None:
         _sync(self.s.device)
         self.began = self.mark = time.perf_counter()
@@ -200,7 +206,7 @@ class Race:
         _sync(self.s.device)
         now = time.perf_counter()
         self.intervals.append(now - self.mark)
-        x, y = self.corpus.val_x.to(self.s.device), self.corpus.val_y.to(self.s.device)
+        x, y = self.val_x, self.val_y
         total = torch.zeros((), device=self.s.device)
         with torch.no_grad(), autocast:  # type: ignore[attr-defined]
             for i in range(0, len(x), MICRO):  # the training shape: no recompile for another batch size
