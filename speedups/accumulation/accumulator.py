@@ -26,20 +26,24 @@ import torch
 
 from speedups._helpers import compat
 from speedups._helpers.notes import add_note
+from speedups._helpers.rng import get_rng_states, set_rng_states
 from speedups._helpers.step_context import current_step
 from speedups.accumulation.checks import check_outer_autocast, refuse_freed_graph, refuse_reentry
 from speedups.accumulation.epoch_pass import EpochPass
 from speedups.accumulation.grad_sync import GradSync, SyncKind
+from speedups.accumulation.grad_sync.fsdp2 import FSDP2Sync
 from speedups.accumulation.guard import Guard
 from speedups.accumulation.micro_batching import MicroBatcher
 from speedups.accumulation.micro_host import MicroHost
 from speedups.accumulation.output import result_of
 from speedups.accumulation.ownership import OWNERSHIP
 from speedups.accumulation.parameters import StepParameters
+from speedups.accumulation.replay import PendingCalls
 from speedups.accumulation.state import check_step_state, load_step_state, merge_states, step_state
 from speedups.accumulation.update import Update
 from speedups.accumulation.window import ITEMS, MEAN, Window
 from speedups.accumulation.zero_items import Keep, keep_of
+from speedups.errors import SpeedupsError
 
 __all__ = ["Accumulator"]
 
@@ -92,6 +96,8 @@ class Accumulator:
         self.guard = Guard(self, self.params, sync, self.updater, self.window, hooks=guard)
         self.host = MicroHost(self)  # what the micro-batcher uses of this step
         self.passes = EpochPass(sized=sync.kind is SyncKind.FSDP2)  # train_step.epoch(loader)
+        # FSDP2: the open window's calls, which a checkpoint taken mid-window saves to make them again
+        self.replay = PendingCalls(sync.model) if isinstance(sync, FSDP2Sync) else None
         self.short = False  # whether a call may take the short path (see _short_allowed)
         self.inv_every = 1.0 / every  # a bare mean loss's weight
         self.hooks = self.updater.hooks  # the on_update hooks (the update's dict, read on every call)
@@ -158,6 +164,8 @@ class Accumulator:
             return torch.compiler.disable(self._call)(wrapped, instance, args, kwargs)
         if current_step.get() is self:
             refuse_reentry(self.step, self.pending, self.every)
+        if self.replay is not None and self.replay.due is not None:  # a checkpoint's window, made again
+            self._replay(wrapped, instance)
         guard = self.guard
         if OWNERSHIP.open_count > (self.pending > 0):  # another step's window is open: not on our optimizer
             guard.refuse_shared_optimizer()
@@ -169,19 +177,67 @@ class Accumulator:
         run = self._call_micro if self.micro is not None else self._call_one
         # Other steps' open windows (none in a one-step script: one comparison) are set aside while it runs.
         foreign = OWNERSHIP.foreign_to(guard) if OWNERSHIP.open_count > (self.pending > 0) else ()
+        replay = self.replay
+        rng = None
         try:
+            if replay is not None:  # FSDP2: keep what the call starts from (see PendingCalls)
+                rng = replay.before(first=not self.pending)
             if not foreign:
-                return run(wrapped, args, kwargs)
-            kept = [p.grad for p in foreign]  # set aside: what this call's backward leaves there is dropped
-            for p in foreign:
-                p.grad = None
-            try:
-                return run(wrapped, args, kwargs)
-            finally:
-                for p, grad in zip(foreign, kept, strict=True):
-                    p.grad = grad
+                out = run(wrapped, args, kwargs)
+            else:
+                kept = [p.grad for p in foreign]  # set aside: what this call's backward leaves is dropped
+                for p in foreign:
+                    p.grad = None
+                try:
+                    out = run(wrapped, args, kwargs)
+                finally:
+                    for p, grad in zip(foreign, kept, strict=True):
+                        p.grad = grad
+            if replay is not None and rng is not None:
+                replay.after(rng, args, kwargs, self.passes.closes, self.pending)
+            return out
         finally:
             self.short = self._short_allowed()
+
+    def _replay(self, wrapped: Callable[..., Any], instance: Any) -> None:
+        """Run again the pending calls a checkpoint saved (FSDP2: see :mod:`.replay`), from their inputs, RNG
+        states and the window's buffers (the calls leave the buffers, counts and log as they left them the
+        first time), then put back the RNG states loaded with them.
+
+        Raises:
+            SpeedupsError: a call failed when run again (the window is dropped; the error is its cause).
+        """
+        assert self.replay is not None
+        calls, buffers = self.replay.take()
+        step, pending = self.step, self.pending
+        rng = get_rng_states()
+        self.replay.put_buffers(buffers)
+        closes = self.passes.closes
+        self.step, self.pending = step - pending, 0
+        self.window.reset()
+        self.sync.restart(0)
+        try:
+            for args, kwargs, states, synced in calls:
+                set_rng_states(states)
+                self.passes.closes = synced
+                self._call(wrapped, instance, args, kwargs)
+        except BaseException as err:
+            self.drop_window()
+            if not isinstance(err, Exception):  # a Ctrl-C: as it is
+                raise
+            raise SpeedupsError(
+                f"accumulate(...): running again the {pending} micro-steps pending in the checkpoint's "
+                f"window failed ({type(err).__name__}: {err}); the window was dropped. Call the step with "
+                f"the same function and model it was saved with."
+            ) from err
+        finally:
+            self.passes.closes = closes
+            set_rng_states(rng)
+        if (self.step, self.pending) != (step, pending):  # a call did not count: never, but never silently
+            raise SpeedupsError(
+                f"accumulate(...): running the pending micro-steps again ended at micro-step {self.step} "
+                f"({self.pending} pending), not {step} ({pending})."
+            )
 
     def _short_allowed(self) -> bool:
         """Whether the next calls may take the short path of :meth:`__call__`."""
@@ -366,6 +422,8 @@ class Accumulator:
 
     def _close_window(self) -> None:
         self.guard.close_window()
+        if self.replay is not None:
+            self.replay.clear()
         self.pending = 0
         self.window.reset()
 
@@ -386,6 +444,8 @@ class Accumulator:
         """Apply the open window now, normalised by what it accumulated (see ``Step.flush``)."""
         if not self.pending:
             return
+        if self.replay is not None and self.replay.due is not None:  # a checkpoint's window, made again
+            self._replay(self.body, None)
         self.updater.stand_in_scaler()  # a restored fp16 window flushed before any fp16 call
         local_count = self.window.local_count if self.window.mode is ITEMS else None
         count = self.sync.sync_window(self.params.all(), local_count, self.pending, self.every)
@@ -409,7 +469,7 @@ class Accumulator:
 
     def check_state(self, state: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state`` (ValueError), changing nothing."""
-        check_step_state(state, self.every, self.params.all(), self.micro)
+        check_step_state(state, self.every, self.params.all(), self.micro, self.replay)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, after checking all of it (see :meth:`check_state`)."""

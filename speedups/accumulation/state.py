@@ -17,12 +17,12 @@ import torch
 
 from speedups._helpers.layout import LayoutChange
 from speedups.accumulation.epoch_pass import EpochPass
-from speedups.accumulation.grad_sync import GradSync, SyncKind
+from speedups.accumulation.grad_sync import GradSync
 from speedups.accumulation.guard import Guard
 from speedups.accumulation.parameters import StepParameters
+from speedups.accumulation.replay import PendingCalls
 from speedups.accumulation.update import Update
 from speedups.accumulation.window import ITEMS, Mode, Window
-from speedups.errors import SpeedupsError
 
 __all__ = ["check_state", "check_step_state", "load_step_state", "merge_states", "merged_log", "step_state"]
 
@@ -42,6 +42,7 @@ class _Step(Protocol):
     updater: Update
     guard: Guard
     passes: EpochPass
+    replay: PendingCalls | None
 
     def resume_at(self, step: int, pending: int) -> None: ...
 
@@ -49,26 +50,28 @@ class _Step(Protocol):
 def step_state(acc: _Step) -> dict[str, Any]:
     """The step's state, with a copy of the open window's gradients (one gradient's memory) and scaler.
 
+    Under FSDP2 the open window's gradients sit unreduced in FSDP2's own buffers, which no public API reads:
+    the state holds the pending calls instead (their inputs, RNG states and the window's buffers: see
+    :mod:`.replay`), which the step makes again before its first call after loading.
+
     Raises:
-        SpeedupsError: an FSDP2 step in the middle of a window (its gradients sit unreduced in FSDP2's own
-            buffers, which no public API reads): nothing of a checkpoint is written then.
+        SpeedupsError: an FSDP2 window's pending call was given an input a checkpoint cannot hold.
     """
     pending = acc.pending
-    if pending and acc.sync.kind is SyncKind.FSDP2:
-        raise SpeedupsError(
-            f"accumulate(...).state_dict(): {pending} of {acc.every} micro-steps of a window are "
-            f"pending on an FSDP2 model, whose unreduced gradients no public API can read or restore, so "
-            f"the checkpoint could not resume this window. Save at a boundary: `if train_step.pending == "
-            f"0: save_checkpoint(...)` (or after train_step.epoch(loader) ends)."
-        )
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in acc.params.all()]
+    replay = None
+    if pending and acc.replay is not None:
+        replay = acc.replay.state(pending, "accumulate(...).state_dict()")
+    grads = None
+    if pending and replay is None:
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in acc.params.all()]
     return {
         "every": acc.every,
         "step": acc.step,
         "num_updates": acc.updater.num_updates,
         "pending": pending,
         **acc.window.state_dict(),
-        "grads": grads if pending else None,
+        "grads": grads,
+        "replay": replay,
         "scaler": acc.updater.scaler_state(),
         **acc.passes.state_dict(pending),
         "plan": None if acc.micro is None else acc.micro.plan_state(),
@@ -90,6 +93,9 @@ def load_step_state(acc: _Step, state: dict[str, Any]) -> None:
         acc.micro.take_plan(state.get("plan"))
     acc.guard.restored(pending)
     acc.sync.restart(pending)
+    if acc.replay is not None:
+        replay = state.get("replay")
+        acc.replay.load(replay) if replay is not None and pending else acc.replay.clear()
 
 
 def check_state(state: Any, every: int, params: Sequence[torch.Tensor], modes: tuple[str, ...]) -> None:
@@ -145,12 +151,27 @@ def check_state(state: Any, every: int, params: Sequence[torch.Tensor], modes: t
                 )
 
 
-def check_step_state(state: Any, every: int, params: Sequence[torch.Tensor], micro: Any) -> None:
+def check_step_state(
+    state: Any, every: int, params: Sequence[torch.Tensor], micro: Any, replay: PendingCalls | None = None
+) -> None:
     """Raise what loading ``state`` into a step would raise (``ValueError``), changing nothing.
 
-    ``micro``: the step's micro-batcher (its memory plan's state is checked too), or None.
+    ``micro``: the step's micro-batcher (its memory plan's state is checked too), or None. ``replay``: an
+    FSDP2 step's pending calls (a window saved mid-way must be one saved under FSDP2), or None.
     """
     check_state(state, every, params, MODES)
+    call = "accumulate(...).load_state_dict(state)"
+    saved = state.get("replay")
+    if state["pending"] and (saved is not None) != (replay is not None):
+        how = "under FSDP2, as the calls that made it" if saved is not None else "as gradients, without FSDP2"
+        raise ValueError(
+            f"{call}: the checkpoint's window ({state['pending']} micro-steps pending) was saved {how}"
+            f"; this step's model {'is not' if replay is None else 'is'} FSDP2, so they cannot be put back. "
+            f"Resume with the model wrapped as it was saved, or from a checkpoint taken at a boundary "
+            f"(train_step.pending == 0)."
+        )
+    if state["pending"] and replay is not None:
+        replay.check(saved, state["pending"], call)
     if micro is not None:
         micro.check_plan(state.get("plan"))
     scaler = state.get("scaler")
@@ -180,6 +201,15 @@ def merge_states(
         check_state(state, saved_every if isinstance(saved_every, int) else every, params, MODES)
     first, rank, world = states[0], change.rank, change.world
     pending = first["pending"] if change.pending is None else change.pending
+    if pending and any(s.get("replay") is not None for s in states):
+        raise ValueError(
+            f"accumulate(...).load_state_dict(state): the checkpoint's window ({first['pending']} "
+            f"micro-steps pending on each of {change.saved_world} ranks) was saved under FSDP2 as each "
+            f"rank's calls, which only the same ranks can make again; resumed on {world} "
+            f"process{'es' if world > 1 else ''}. "
+            f"Resume it on {change.saved_world} ranks, or from a checkpoint taken at a boundary "
+            f"(train_step.pending == 0), which any number of processes resumes."
+        )
     items = first["mode"] == ITEMS.value
     ref = first.get("ref_n", 1.0) if world == 1 and change.saved_world == 1 else 1.0
     grads = None

@@ -32,14 +32,16 @@ from speedups.errors import SpeedupsError
 __all__ = ["load_sharded", "plain_values_of_directory", "save_sharded"]
 
 
-def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
+def _dcp_state(objects: dict[str, Any], blobbed: set[str]) -> dict[str, Any]:
     """State dicts for ``torch.distributed.checkpoint``: FSDP2 models and their optimizers (sharded) and the
-    other objects that are the same on every rank (LR schedulers); per-rank objects go in a blob instead."""
+    other objects that are the same on every rank (LR schedulers); per-rank objects go in a blob instead.
+
+    An optimizer named in ``blobbed`` (one with no state yet: before its first step) goes in as the blob of
+    its ``state_dict()`` (its hyperparameters): torch's ``get_optimizer_state_dict`` would initialise its
+    state with a step of zero gradients, which changes the run (Adam's step count) and what is saved."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     models, owners = _models_and_owners(objects)
-    # The other objects first: one that refuses (an @accumulate step mid-window) raises before torch's
-    # get_optimizer_state_dict initialises an empty optimizer state with a step of zero gradients.
     out = {
         name: o.state_dict() for name, o in objects.items()
         if o not in models and name not in owners and not is_per_rank(o)
@@ -48,8 +50,14 @@ def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
         if obj in models:
             out[name] = get_model_state_dict(obj)
         elif name in owners:
-            out[name] = get_optimizer_state_dict(owners[name], obj)
+            owner = owners[name]
+            out[name] = _blob(obj.state_dict()) if name in blobbed else get_optimizer_state_dict(owner, obj)
     return out
+
+
+def _without_state(objects: dict[str, Any]) -> set[str]:
+    """The FSDP2 models' optimizers among ``objects`` that hold no state yet."""
+    return {name for name in _models_and_owners(objects)[1] if not objects[name].state}
 
 
 def _models_and_owners(objects: dict[str, Any]) -> tuple[list[nn.Module], dict[str, nn.Module]]:
@@ -62,6 +70,17 @@ def _models_and_owners(objects: dict[str, Any]) -> tuple[list[nn.Module], dict[s
         if owner is not None:
             owners[name] = owner
     return models, owners
+
+
+def _buffers(objects: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each FSDP2 model's saved buffers, by model and buffer name: FSDP2 leaves buffers to each rank (no
+    broadcast, unlike DDP), so batch statistics differ per rank, and DCP would write one rank's copy only."""
+    out = {}
+    for name, model in objects.items():
+        if model in _models_and_owners(objects)[0]:
+            saved = model.state_dict()  # its keys only (sharded parameters are not gathered)
+            out[name] = {key: b.detach() for key, b in model.named_buffers() if key in saved}
+    return out
 
 
 def _per_rank(objects: dict[str, Any]) -> dict[str, Any]:
@@ -89,18 +108,21 @@ def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> 
         shutil.rmtree(partial, ignore_errors=True)  # a save cut short before: never renamed
     # The same on every rank (also waits for the removal). On the CPU: the blobs are read back there anyway,
     # and another rank's CUDA tensors would land on its GPU in this process.
-    gathered = gather_rank_states(tree_map(_on_cpu, {"objects": own, "plain": plain}), to_all=True)
+    mine = {"objects": own, "plain": plain, "buffers": _buffers(objects)}
+    gathered = gather_rank_states(tree_map(_on_cpu, mine), to_all=True)
     assert gathered is not None
     rng, every = gathered
     rank0, later = every["objects"][0], every["objects"][1:]
     per_rank = {name: [None] + [states[name] for states in later] for name in own} if later else {}
-    state = _dcp_state(objects)
+    state = _dcp_state(objects, _without_state(objects))
     # Opaque blobs, built from the gather alone: the same bytes' meaning on every rank, since DCP writes one
     # copy of an entry all ranks hold from whichever rank it picks (its smallest plan, not rank 0). Rank 0's
     # plain values, as in a checkpoint file rank 0 writes.
     state["_plain"] = _blob(every["plain"][0])
     state["_rng"] = _blob(rng)
-    state["_ranks"] = _blob({"world_size": len(rng), "rank0": rank0, "per_rank": per_rank})
+    state["_ranks"] = _blob(
+        {"world_size": len(rng), "rank0": rank0, "per_rank": per_rank, "buffers": every["buffers"]}
+    )
     dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
     error = ""
     if env.rank() == 0:
@@ -134,7 +156,9 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     saved = {key.split(".")[0] for key in metadata.state_dict_metadata}
     blobbed = "_ranks" in saved  # per-rank objects in one blob (older directories: DCP entries)
-    state = _dcp_state(objects)
+    entries = metadata.state_dict_metadata
+    empty = {name for name in objects if isinstance(entries.get(name), dcp.metadata.BytesStorageMetadata)}
+    state = _dcp_state(objects, empty)
     per_rank = _per_rank(objects)
     if not blobbed:
         state.update({name: obj.state_dict() for name, obj in per_rank.items()})
@@ -148,12 +172,18 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
             f"{said}: {missing} were not saved; it holds {sorted(saved - {'_plain', '_rng', '_ranks'})}."
         )
     dcp.load(state, checkpoint_id=str(path))  # fills ``state`` in place (sharded tensors read per rank)
+    ranks = _unblob(state["_ranks"]) if blobbed else {}
     if blobbed:
-        state.update(_this_rank(said, _unblob(state["_ranks"]), per_rank))
+        state.update(_this_rank(said, ranks, per_rank))
     models, owners = _models_and_owners(objects)
+    buffers = ranks.get("buffers")  # each rank's own buffers (older directories: none)
+    own_buffers = buffers[env.rank()] if buffers and len(buffers) == env.world_size() else {}
     for name, obj in objects.items():
         if obj in models:
-            set_model_state_dict(obj, state[name])
+            own = own_buffers.get(name, {})
+            set_model_state_dict(obj, {key: own.get(key, value) for key, value in state[name].items()})
+        elif name in empty:  # saved before its first step: its hyperparameters, no state
+            obj.load_state_dict(_unblob(state[name]))
         elif name in owners:
             set_optimizer_state_dict(owners[name], obj, state[name])
         else:

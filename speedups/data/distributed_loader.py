@@ -348,8 +348,11 @@ class _Counting:
     def end(self) -> None:
         """End the pass: every batch was handed out, the loader's position is the next epoch's start."""
         self.finished = True
-        if self._loader._current is not None and self._loader._current[0] == self.epoch:
-            self._loader._current = None  # finished: the next pass is the next epoch
+        loader = self._loader
+        if loader._current is not None and loader._current[0] == self.epoch:
+            loader._current = None  # finished: the next pass is the next epoch
+        if loader._live is not None and loader._live() is self:
+            loader._start_at(0)  # a resumed pass is over: len(loader) is a whole epoch's again
 
 
 def _stream(

@@ -68,6 +68,8 @@ def test_mid_epoch_state_resumes_without_replay_or_skip() -> None:
     assert _position(again) == _position(state) and torch.equal(again["seed_state"], state["seed_state"])
     assert len(resumed) == len(rest)
     assert [b.tolist() for b in resumed] == rest and first + rest != rest
+    # The resumed pass over, len() is a whole epoch's again (what an epoch() pass after it counts on).
+    assert len(resumed) == len(full) == 4 and len(_flat(resumed)) == 11
     other = distributed(base, rank=1, world_size=4)
     with pytest.raises(ValueError, match="world size 2, loaded with 4"):
         other.load_state_dict(state)

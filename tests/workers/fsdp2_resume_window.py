@@ -1,0 +1,103 @@
+"""Worker: a 2-rank FSDP2 run saved after every micro-step of an epoch and resumed from each checkpoint.
+
+Usage (under torchrun, 2 gloo processes): ``fsdp2_resume_window.py OUT_DIR full`` runs the uninterrupted
+reference (``ref-rank<r>.pt``), then the same run saving a checkpoint directory after every micro-step
+of epoch 0 (``k<k>``; its result ``saving-rank<r>.pt``). ``... resume K[,K...]`` builds everything afresh
+for each K, loads ``k<K>`` and finishes the run (``resumed-<K>-rank<r>.pt``).
+
+The run: Linear-BatchNorm-Tanh-Dropout-Linear, each Linear ``fully_shard``ed, then the whole
+(``ddp_wrap(..., strategy="fsdp")``), batch statistics moving in every call, dropout drawing per rank,
+``@accumulate(4, model=)`` over 10 micro-steps per epoch (windows of 4, 4 and a short 2 that ``epoch()``
+flushes), 2 epochs, AdamW, a loader with one persistent worker per rank and random augmentation
+(``sample_seeds=True``), a ``LossTracker`` per rank. Every rank's pending calls, RNG states, batch
+statistics and tracker differ, so a rank resumed with another rank's state ends elsewhere.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import Dataset
+
+from speedups import (
+    LossTracker,
+    accumulate,
+    ddp_wrap,
+    destroy_distributed,
+    distributed,
+    fast_loader,
+    init_distributed,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+N, BATCH, EVERY, EPOCHS = 40, 2, 4, 2
+torch.set_num_threads(1)
+init_distributed()
+RANK = torch.distributed.get_rank()
+
+
+class Noisy(Dataset):
+    """Fixed inputs plus noise drawn in __getitem__ (seeded per sample by the loader)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(N, 6, generator=g), torch.randn(N, 1, generator=g)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
+
+
+def build():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+    for layer in (net[0], net[4]):
+        fully_shard(layer)
+    model = ddp_wrap(net, strategy="fsdp")
+    torch.manual_seed(100 + RANK)  # each rank its own stream: dropout masks and the workers' seeds differ
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    loader = distributed(fast_loader(Noisy(), BATCH, shuffle=True, num_workers=1, sample_seeds=True))
+    step = accumulate(EVERY, opt, model=model)(lambda x, y: F.mse_loss(model(x), y))
+    return model, opt, loader, step, LossTracker()
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def run(resume_from=None, save=False):
+    model, opt, loader, step, tracker = build()
+    state = dict(model=model, optimizer=opt, loader=loader, step=step, tracker=tracker)
+    start = 0 if resume_from is None else load_checkpoint(resume_from, **state)["epoch"]
+    for epoch in range(start, EPOCHS):
+        for x, y in step.epoch(loader):
+            tracker.update(step(x, y))
+            if save and epoch == 0:
+                save_checkpoint(out / f"k{step.step}", **state, epoch=epoch)
+    return {
+        "weights": [full(p).detach().clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "optimizer": {k: {n: full(v) for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
+        "updates": (step.step, step.num_updates),
+        "tracker": tracker.state_dict(),
+    }
+
+
+if mode == "full":
+    torch.save(run(), out / f"ref-rank{RANK}.pt")
+    torch.save(run(save=True), out / f"saving-rank{RANK}.pt")
+else:
+    for k in sys.argv[3].split(","):
+        torch.save(run(resume_from=out / f"k{k}"), out / f"resumed-{k}-rank{RANK}.pt")
+destroy_distributed()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
