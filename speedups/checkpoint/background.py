@@ -8,6 +8,10 @@ the next save, and any load, waits for the one before. The write itself is the a
 complete. A write that failed is said on stderr at once and raised by the next ``save_checkpoint`` (on every
 rank), ``RunDirectory.close`` or ``StopOnSignal.exit``.
 
+An FSDP2 checkpoint directory is written by ``torch.distributed.checkpoint.async_save`` instead, in DCP's own
+thread (:mod:`speedups.checkpoint.sharded`); :func:`track` makes it the write in flight, which :func:`wait`
+waits for, with what completes it (the rename into place).
+
 This is the process's one writer: the module holds it, as the process holds its files.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +29,11 @@ import torch
 from speedups._helpers.tree import tree_map
 from speedups.checkpoint import file_format
 
-__all__ = ["host_copy", "start", "take_error", "wait"]
+__all__ = ["host_copy", "start", "take_error", "track", "wait"]
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
+_tracked: threading.Event | None = None  # set once DCP's save in flight and its completion have run
 _error = ""  # the last failed write's message, until someone is told
 _buffers: list[torch.Tensor] = []  # the host copy of the last payload, reused by the next one
 
@@ -94,12 +100,38 @@ def start(path: Path, payload: dict[str, Any], then: Callable[[], None] | None =
     thread.start()
 
 
+def track(future: Future[Any], complete: Callable[[], None], path: Path) -> None:
+    """Make ``future`` (``torch.distributed.checkpoint.async_save``'s) the write in flight: once it is done,
+    ``complete()`` runs (in the thread that finished it; in this one if it is done already), and
+    :func:`wait` returns only after both. Its error, or ``complete``'s, is kept as a failed write's."""
+    global _tracked
+    wait()
+    done = threading.Event()
+
+    def finished(result: Future[Any]) -> None:
+        try:
+            error = result.exception()
+            if error is not None:
+                raise error
+            complete()
+        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            _failed(err, path)
+        finally:
+            done.set()
+
+    with _lock:
+        _tracked = done
+    future.add_done_callback(finished)
+
+
 def wait() -> None:
     """Wait for the write in progress, if any (at once when there is none)."""
     with _lock:
-        thread = _thread
+        thread, tracked = _thread, _tracked
     if thread is not None:
         thread.join()
+    if tracked is not None:
+        tracked.wait()
 
 
 def take_error() -> str:
@@ -111,14 +143,20 @@ def take_error() -> str:
 
 
 def _write(path: Path, payload: dict[str, Any], then: Callable[[], None] | None) -> None:
-    global _error
     try:
         file_format.write(path, payload)
         if then is not None:
             then()
-    except Exception as err:  # reported by the next save or wait, on the loop's thread; said now, too, in
-        message = f"{type(err).__name__}: {err} (writing {str(path)!r} in the background)"  # case none comes
-        with _lock:
-            _error = message
-        sys.stderr.write(f"speedups: a checkpoint could not be written: {message}\n")
-        sys.stderr.flush()
+    except Exception as err:
+        _failed(err, path)
+
+
+def _failed(err: BaseException, path: Path) -> None:
+    """Keep a background write's error for the next save or wait, on the loop's thread; say it now, too, in
+    case none comes."""
+    global _error
+    message = f"{type(err).__name__}: {err} (writing {str(path)!r} in the background)"
+    with _lock:
+        _error = message
+    sys.stderr.write(f"speedups: a checkpoint could not be written: {message}\n")
+    sys.stderr.flush()

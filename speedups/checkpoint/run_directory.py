@@ -157,11 +157,6 @@ class RunDirectory:
                 f"after_step(...) and returned here: values = run.resume(model=model, ...)."
             )
         sharded = holds_fsdp(objects)
-        if self.background and sharded:
-            raise ValueError(
-                f"RunDirectory({str(self.path)!r}, background=True): an FSDP2 model is saved by "
-                f"torch.distributed.checkpoint, in the foreground. Pass background=False."
-            )
         writes.wait()  # a write of this process in flight (another RunDirectory's) ends first
         error = self._take() if env.rank() == 0 else ""
         error = _gathered_text(error)  # every rank learns it (a rank that went on would wait for rank 0)

@@ -59,19 +59,25 @@ def save_checkpoint(
     plain dict (``torch.load(path, weights_only=True)`` reads it without speedups): ``{name: state_dict or
     value, ..., "_speedups": {format, world size, class names, RNG states}}``. A
     :class:`~speedups.DistributedLoader` saves its epoch and position, so a resumed run continues with the
-    next batch. With an FSDP2 model, ``path`` is a directory written by ``torch.distributed.checkpoint``.
+    next batch. With an FSDP2 model, ``path`` is a directory written by ``torch.distributed.checkpoint``
+    (each rank its shards), complete or absent as a file is; an ``@accumulate`` step saved mid-window holds
+    the window's pending calls instead of gradients (FSDP2's are unreadable), which it makes again after
+    loading (see :mod:`speedups.accumulation.replay`).
 
     ``background=True`` returns once rank 0 holds a copy of the state in host memory (memory: one more copy
     of what is saved) and writes the file in a thread: the loop stalls for the copy only, the previous file
     stays intact until the new one is complete, and the next save or load waits for the write (as does the
-    interpreter at exit); a failed write is raised by the next ``save_checkpoint``, on every rank.
+    interpreter at exit); a failed write is raised by the next ``save_checkpoint``, on every rank. With an
+    FSDP2 model it is ``torch.distributed.checkpoint.async_save``: DCP copies each rank's shards to host
+    memory, writes them in its own thread (its collectives on a gloo group of their own), and rank 0 renames
+    the directory into place once every rank's part is written.
 
     Sync points: the ``state_dict()`` calls (a device-to-host copy for some), a ``gather_object`` of the
     per-rank states and a broadcast from rank 0 after the write (with ``background``, after the copy).
 
     Args:
         path: the checkpoint file (its directory is created), or directory for FSDP2.
-        background: write the file in a background thread (not for FSDP2 directories).
+        background: write the file in a background thread (FSDP2: DCP's ``async_save``).
         **state: objects with ``state_dict``/``load_state_dict`` (model, optimizer, scheduler, loader,
             LossTracker, @accumulate step, mixed_precision) and plain values (``step=120``), by the names
             used to load them.
@@ -81,7 +87,7 @@ def save_checkpoint(
 
     Raises:
         TypeError: a value is neither stateful nor plain data; an object given by position (it needs a name).
-        ValueError: nothing passed, or a name starts with ``_``; ``background`` with an FSDP2 model.
+        ValueError: nothing passed, or a name starts with ``_``.
         SpeedupsError: rank 0 could not write the file (or the background write before failed), or
             ``path`` is a directory (raised on every rank);
             rank 0 alone with FSDP2 or a window in progress; a rank other than 0 alone, at the collective
@@ -117,12 +123,6 @@ def write_checkpoint(
     """:func:`save_checkpoint` of checked arguments; ``then`` runs on rank 0 once the file is complete (in
     the writer thread with ``background``), as a run directory drops its oldest checkpoints then."""
     sharded = holds_fsdp(objects)
-    if sharded and background:
-        raise ValueError(
-            f"save_checkpoint({str(path)!r}, background=True): an FSDP2 model is saved by "
-            f"torch.distributed.checkpoint into a directory, which speedups writes in the foreground. "
-            f"Pass background=False."
-        )
     together = arrive("save_checkpoint", alone_after_s=ALONE_AFTER_S) if collective() else True
     if not together:
         if env.rank() != 0:
@@ -130,9 +130,7 @@ def write_checkpoint(
         _check_alone(path, objects, sharded)
     if sharded:
         writes.wait()
-        save_sharded(path, objects, plain)
-        if then is not None and env.rank() == 0:
-            then()
+        save_sharded(path, objects, plain, background=background, then=then)
         return path
     targets = {name: saved_object(obj) for name, obj in objects.items()}
     payload: dict[str, Any] = {name: target.state_dict() for name, target in targets.items()}

@@ -11,10 +11,12 @@ choosing, so each blob is built from an all-gather: its meaning does not depend 
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch import nn
 
 from speedups._helpers import env
 from speedups._helpers.tree import tree_map
+from speedups.checkpoint import background as writes
 from speedups.checkpoint.entries import fsdp_type
 from speedups.checkpoint.file_format import Contents
 from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
@@ -96,9 +99,26 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Modu
     return None
 
 
-def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> None:
+def save_sharded(
+    path: Path,
+    objects: dict[str, Any],
+    plain: dict[str, Any],
+    *,
+    background: bool = False,
+    then: Callable[[], None] | None = None,
+) -> None:
     """Write an FSDP2 checkpoint directory with ``torch.distributed.checkpoint`` (collective); complete or
-    absent (see the module's docstring)."""
+    absent (see the module's docstring). ``then`` runs on rank 0 once it is complete.
+
+    ``background``: DCP's own ``async_save`` (its planning collectives on a gloo group of their own, made
+    at the first such save, so they never interleave with the training's): the loop waits for the state's
+    copy in host memory, DCP's thread writes it, and rank 0 renames it into place once every rank's part is
+    written (:func:`speedups.checkpoint.background.track`: the next save and any load wait for it).
+
+    Raises:
+        SpeedupsError: the directory could not be moved into place (every rank), or the background save
+            before this one failed (every rank, after this one was written or handed to DCP).
+    """
     import torch.distributed.checkpoint as dcp
 
     partial = path.parent / f".{path.name}.partial"
@@ -107,8 +127,9 @@ def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a save cut short before: never renamed
     # The same on every rank (also waits for the removal). On the CPU: the blobs are read back there anyway,
-    # and another rank's CUDA tensors would land on its GPU in this process.
-    mine = {"objects": own, "plain": plain, "buffers": _buffers(objects)}
+    # and another rank's CUDA tensors would land on its GPU in this process. Each rank's error of the
+    # background save before this one goes along, so that every rank raises it.
+    mine = {"objects": own, "plain": plain, "buffers": _buffers(objects), "error": writes.take_error()}
     gathered = gather_rank_states(tree_map(_on_cpu, mine), to_all=True)
     assert gathered is not None
     rng, every = gathered
@@ -123,26 +144,59 @@ def save_sharded(path: Path, objects: dict[str, Any], plain: dict[str, Any]) -> 
     state["_ranks"] = _blob(
         {"world_size": len(rng), "rank0": rank0, "per_rank": per_rank, "buffers": every["buffers"]}
     )
-    dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
-    error = ""
-    if env.rank() == 0:
-        try:
-            old = path.parent / f".{path.name}.old"
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(partial, path)
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError as err:
-            error = f"{type(err).__name__}: {err}"
-    box = [error]
-    with env.on_comm_device():
-        torch.distributed.broadcast_object_list(box, src=0)  # the directory is in place (or not) for all
-    if box[0]:
+    before = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every["error"]) if e)
+    if background:
+        response = dcp.async_save(state, checkpoint_id=str(partial), process_group=_async_group())
+        future = getattr(response, "upload_completion", response)  # AsyncSaveResponse on some stagers
+        writes.track(future, functools.partial(_complete, path, partial, then), path)
+    else:
+        dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
+        box = [""]
+        if env.rank() == 0:
+            try:
+                _complete(path, partial, then)
+            except OSError as err:
+                box[0] = f"{type(err).__name__}: {err}"
+        with env.on_comm_device():
+            torch.distributed.broadcast_object_list(box, src=0)  # the directory is in place (or not) for all
+        if box[0]:
+            raise SpeedupsError(
+                f"save_checkpoint({str(path)!r}): rank 0 could not move the written checkpoint into place "
+                f"({box[0]}). Check that the directory is writable."
+            )
+    if before:
         raise SpeedupsError(
-            f"save_checkpoint({str(path)!r}): rank 0 could not move the written checkpoint into place "
-            f"({box[0]}). Check that the directory is writable."
+            f"save_checkpoint({str(path)!r}): the checkpoint before, written in the background, failed "
+            f"({before}); this one was {'handed to the writer' if background else 'written'}. Save again if "
+            f"that one mattered."
         )
+
+
+def _complete(path: Path, partial: Path, then: Callable[[], None] | None) -> None:
+    """Rank 0, once every rank's part is written: move ``partial`` over ``path`` (the previous checkpoint is
+    replaced only now), then ``then()``. Other ranks: nothing."""
+    if env.rank() != 0:
+        return
+    old = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+    if then is not None:
+        then()
+
+
+_GROUPS: dict[int, Any] = {}  # the gloo group of DCP's background saves, per default group
+
+
+def _async_group() -> Any:
+    """A gloo group of every rank for DCP's background saves (made once: a collective, every rank is here)."""
+    key = id(torch.distributed.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS.clear()  # a group of an earlier default group, destroyed since
+        _GROUPS[key] = torch.distributed.new_group(backend="gloo")
+    return _GROUPS[key]
 
 
 def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
@@ -219,7 +273,9 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
         )
     state: dict[str, Any] = {"_plain": b""}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except BaseException as err:  # CheckpointException derives from BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise

@@ -90,8 +90,8 @@ class StopOnSignal:
 
     Call :meth:`requested` once per micro-step, on every rank; it turns True on the same call on every rank
     once any process of the job got one of the ``signals`` (SLURM and torchrun signal every process; one
-    rank's signal is enough). Save the checkpoint there (``save_checkpoint`` saves mid-window too, except for
-    an FSDP2 model, whose pending gradients it refuses: stop at a boundary there), then call :meth:`exit`.
+    rank's signal is enough). Save the checkpoint there (``save_checkpoint`` saves mid-window too; for an
+    FSDP2 model, the window's pending calls, made again on resume), then call :meth:`exit`.
     Loader workers of ``fast_loader``/``distributed()`` ignore these signals, so they still serve the save.
     Made on every rank, before or after the process group starts; the first :meth:`requested` makes its own
     gloo process group (a collective: every rank calls it from the first micro-step on).

@@ -173,10 +173,16 @@ def destroy_distributed() -> None:
     unreachable DDP reducers while the group still exists, and the barrier keeps a fast rank from tearing
     down its connections while a slow one still talks to it. No-op without a process group.
 
+    A checkpoint still being written in the background (``save_checkpoint(..., background=True)``; for
+    FSDP2, DCP's thread uses the group) is waited for first.
+
     Sync points: one barrier (a collective: every rank must call it).
     """
     if not env.pg_ready():
         return
+    from speedups.checkpoint import background  # here: the checkpoint package builds on this one
+
+    background.wait()
     gc.collect()  # free DDP reducers that only reference cycles keep alive
     arrive("destroy_distributed")
     with env.on_comm_device():  # NCCL's barrier runs on the current device: make it this rank's

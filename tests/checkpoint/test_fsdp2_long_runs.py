@@ -7,6 +7,8 @@ The 2-process runs are tests/workers/fsdp2_*.py under torchrun with gloo on 127.
 
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +42,80 @@ def _unequal_parts(got: dict, ref: dict) -> list[str]:
     return [key for key in ref if not _equal(got[key], ref[key])]
 
 
-def test_an_fsdp2_run_resumed_after_every_micro_step_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    """Checkpoints after each of the 10 micro-steps of epoch 0 (@accumulate(4): windows of 4, 4 and a
-    flushed 2), mid-window ones included, each resumed in new processes: weights, batch statistics, optimizer
-    state, counters and trackers torch.equal to the uninterrupted run's on every rank."""
-    script = WORKERS / "fsdp2_resume_window.py"
-    done = run_torchrun(script, [str(tmp_path), "full"], timeout=300)
+SCRIPT = WORKERS / "fsdp2_resume_window.py"
+SEED = int(os.environ.get("SPEEDUPS_CHAOS_SEED", random.randrange(10_000)))
+"""Draws the micro-step of the SIGTERM; a failure names it (rerun with ``SPEEDUPS_CHAOS_SEED=<seed>``)."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The uninterrupted run on each rank, and the same run saving after each micro-step of epoch 0."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    done = run_torchrun(SCRIPT, [str(out), "full"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    refs = [torch.load(tmp_path / f"ref-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    refs = [torch.load(out / f"ref-rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert refs[0]["updates"] == (20, 6), refs[0]["updates"]  # 3 windows an epoch, the short one applied
     assert not _equal(refs[0]["tracker"], refs[1]["tracker"])  # each rank its own batches and dropout
     assert not _equal(refs[0]["buffers"], refs[1]["buffers"])  # and its own batch statistics
+    return out, refs
+
+
+def _check_resumed(out: Path, name: str, refs: list[dict], said: str) -> int:
+    """Every rank's resumed run ``name`` equals the uninterrupted one; return the micro-step it resumed at."""
+    got = [torch.load(out / f"{name}-rank{r}.pt", weights_only=True) for r in (0, 1)]
     for rank, ref in enumerate(refs):
-        saving = torch.load(tmp_path / f"saving-rank{rank}.pt", weights_only=True)
+        ref = {k: v for k, v in ref.items() if k in got[rank]}
+        assert _unequal_parts(got[rank], ref) == [], (said, rank, _distance(got[rank], ref))
+    assert got[0]["resumed_at"] == got[1]["resumed_at"], said
+    return int(got[0]["resumed_at"])
+
+
+def test_an_fsdp2_run_resumed_after_every_micro_step_equals_the_uninterrupted_run(
+    runs: tuple[Path, list[dict]],
+) -> None:
+    """Checkpoints after each of the 10 micro-steps of epoch 0 (@accumulate(4): windows of 4, 4 and a
+    flushed 2), mid-window ones included, each resumed in new processes: weights, batch statistics, optimizer
+    state, counters and trackers torch.equal to the uninterrupted run's on every rank."""
+    out, refs = runs
+    for rank, ref in enumerate(refs):
+        saving = torch.load(out / f"saving-rank{rank}.pt", weights_only=True)
         assert _unequal_parts(saving, ref) == [], "saving changed the run"
     points = [str(k) for k in range(1, 11)]
-    done = run_torchrun(script, [str(tmp_path), "resume", ",".join(points)], timeout=400)
+    done = run_torchrun(SCRIPT, [str(out), "resume", ",".join(points)], timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for k in points:
         for rank, ref in enumerate(refs):
-            got = torch.load(tmp_path / f"resumed-{k}-rank{rank}.pt", weights_only=True)
+            got = torch.load(out / f"resumed-{k}-rank{rank}.pt", weights_only=True)
             assert _unequal_parts(got, ref) == [], (rank, k, _distance(got, ref))
+
+
+def test_background_saves_of_processes_that_end_without_close_resume_equal(
+    runs: tuple[Path, list[dict]],
+) -> None:
+    """RunDirectory(every_updates=1, background=True): DCP's async_save after each update; the processes
+    end right after the save at micro-step 14 is handed to DCP (no close(), no destroy_distributed()). The
+    interpreter's exit waits for it: the resumed run starts at micro-step 14 and ends torch.equal."""
+    out, refs = runs
+    done = run_torchrun(SCRIPT, [str(out), "rundir", "bg", "14"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_torchrun(SCRIPT, [str(out), "rundir-resume", "bg"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _check_resumed(out, "bg", refs, "background") == 14
+
+
+def test_a_sigterm_at_a_random_micro_step_exits_75_and_the_resumed_run_is_bit_for_bit(
+    runs: tuple[Path, list[dict]],
+) -> None:
+    """One rank gets a real SIGTERM after a random micro-step; the ranks agree on a later one (mid-window
+    or not), save there in the background, wait for it and exit 75; the resumed run ends torch.equal."""
+    out, refs = runs
+    at = random.Random(SEED).randint(1, 12)
+    said = f"SPEEDUPS_CHAOS_SEED={SEED}: SIGTERM after micro-step {at}"
+    done = run_torchrun(SCRIPT, [str(out), "signal", "sig", str(at)], timeout=300)
+    stops = [(out / "sig" / f"stop-rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert stops[0] == stops[1] and stops[0][1] == "75", (said, stops, done.stderr[-3000:])
+    stopped = int(stops[0][0])
+    assert at <= stopped < 20, (said, stopped)
+    done = run_torchrun(SCRIPT, [str(out), "rundir-resume", "sig"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _check_resumed(out, "sig", refs, said) == stopped, said

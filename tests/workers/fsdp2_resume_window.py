@@ -14,7 +14,9 @@ statistics and tracker differ, so a rank resumed with another rank's state ends 
 """
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from torch.utils.data import Dataset
 
 from speedups import (
     LossTracker,
+    RunDirectory,
     accumulate,
     ddp_wrap,
     destroy_distributed,
@@ -91,9 +94,51 @@ def run(resume_from=None, save=False):
     }
 
 
+def run_directory(name, stop_at=None, signal_at=None):
+    """Through ``RunDirectory(out / name, every_updates=1, background=True)``. ``stop_at``: end the process
+    after that micro-step without close() (the last background save still in flight). ``signal_at``: rank
+    ``signal_at % 2`` sends itself SIGTERM after that micro-step (micro-steps take 50 ms, so the ranks agree
+    a few later); each rank writes ``stop-rank<r>.txt``: the micro-step it stopped after and its exit code."""
+    model, opt, loader, step, tracker = build()
+    run = RunDirectory(out / name, every_updates=1, background=True)
+    state = dict(model=model, optimizer=opt, loader=loader, step=step, tracker=tracker)
+    start = run.resume(**state).get("epoch", 0)
+    resumed_at = step.step
+    for epoch in range(start, EPOCHS):
+        for x, y in step.epoch(loader):
+            tracker.update(step(x, y))
+            if signal_at is not None:
+                time.sleep(0.05)
+                if step.step == signal_at and RANK == signal_at % 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                run.after_step(epoch=epoch)
+            except SystemExit as stop:
+                (out / name / f"stop-rank{RANK}.txt").write_text(f"{step.step} {stop.code}")
+                raise
+            if step.step == stop_at:
+                sys.stdout.flush()
+                sys.exit(0)  # no close(), no destroy_distributed(): the interpreter's exit waits for the save
+    run.close()
+    return {
+        "weights": [full(p).detach().clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "optimizer": {k: {n: full(v) for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
+        "updates": (step.step, step.num_updates),
+        "tracker": tracker.state_dict(),
+        "resumed_at": resumed_at,
+    }
+
+
 if mode == "full":
     torch.save(run(), out / f"ref-rank{RANK}.pt")
     torch.save(run(save=True), out / f"saving-rank{RANK}.pt")
+elif mode == "rundir":
+    run_directory(sys.argv[3], stop_at=int(sys.argv[4]))
+elif mode == "signal":
+    run_directory(sys.argv[3], signal_at=int(sys.argv[4]))
+elif mode == "rundir-resume":
+    torch.save(run_directory(sys.argv[3]), out / f"{sys.argv[3]}-rank{RANK}.pt")
 else:
     for k in sys.argv[3].split(","):
         torch.save(run(resume_from=out / f"k{k}"), out / f"resumed-{k}-rank{RANK}.pt")
