@@ -105,10 +105,12 @@ def load_checkpoint(
     entry_of = _check_keys(keys, objects)
     path = check_path("load_checkpoint", path)
     said = f"load_checkpoint({str(path)!r})"
-    if holds_fsdp(objects):
+    sharded = holds_fsdp(objects)
+    if sharded or (path / ".metadata").is_file():  # an FSDP2 directory: into FSDP2, or plain models
         if keys:
             raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
-        arrive("load_checkpoint")  # FSDP2 loads are collective
+        if sharded:
+            arrive("load_checkpoint")  # FSDP2 loads are collective
         values = load_sharded(path, objects)
         _layouts_follow_params(objects)
         return values

@@ -35,16 +35,18 @@ from speedups.errors import SpeedupsError
 __all__ = ["load_sharded", "plain_values_of_directory", "save_sharded"]
 
 
-def _dcp_state(objects: dict[str, Any], blobbed: set[str]) -> dict[str, Any]:
+def _dcp_state(objects: dict[str, Any], blobbed: set[str], plain_models: bool = False) -> dict[str, Any]:
     """State dicts for ``torch.distributed.checkpoint``: FSDP2 models and their optimizers (sharded) and the
     other objects that are the same on every rank (LR schedulers); per-rank objects go in a blob instead.
 
     An optimizer named in ``blobbed`` (one with no state yet: before its first step) goes in as the blob of
     its ``state_dict()`` (its hyperparameters): torch's ``get_optimizer_state_dict`` would initialise its
-    state with a step of zero gradients, which changes the run (Adam's step count) and what is saved."""
+    state with a step of zero gradients, which changes the run (Adam's step count) and what is saved.
+    ``plain_models``: every model among ``objects`` stands for an FSDP2 model saved under its name (a
+    directory loaded without FSDP2: see :func:`load_sharded`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    models, owners = _models_and_owners(objects)
+    models, owners = _models_and_owners(objects, plain_models)
     out = {
         name: o.state_dict() for name, o in objects.items()
         if o not in models and name not in owners and not is_per_rank(o)
@@ -63,9 +65,12 @@ def _without_state(objects: dict[str, Any]) -> set[str]:
     return {name for name in _models_and_owners(objects)[1] if not objects[name].state}
 
 
-def _models_and_owners(objects: dict[str, Any]) -> tuple[list[nn.Module], dict[str, nn.Module]]:
-    """The FSDP2 models among ``objects``, and the model each optimizer among them belongs to."""
-    fsdp = fsdp_type()
+def _models_and_owners(
+    objects: dict[str, Any], plain_models: bool = False
+) -> tuple[list[nn.Module], dict[str, nn.Module]]:
+    """The FSDP2 models among ``objects`` (``plain_models``: every model), and the model each optimizer
+    among them belongs to."""
+    fsdp = fsdp_type() if not plain_models else nn.Module
     models: list[nn.Module] = [o for o in objects.values() if fsdp is not None and isinstance(o, fsdp)]  # type: ignore[misc]
     owners: dict[str, nn.Module] = {}
     for name, obj in objects.items():
@@ -86,8 +91,8 @@ def _buffers(objects: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _per_rank(objects: dict[str, Any]) -> dict[str, Any]:
-    models, owners = _models_and_owners(objects)
+def _per_rank(objects: dict[str, Any], plain_models: bool = False) -> dict[str, Any]:
+    models, owners = _models_and_owners(objects, plain_models)
     return {n: o for n, o in objects.items() if o not in models and n not in owners and is_per_rank(o)}
 
 
@@ -147,7 +152,7 @@ def save_sharded(
     before = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every["error"]) if e)
     if background:
         response = dcp.async_save(state, checkpoint_id=str(partial), process_group=_async_group())
-        future = getattr(response, "upload_completion", response)  # AsyncSaveResponse on some stagers
+        future: Any = getattr(response, "upload_completion", response)  # AsyncSaveResponse on some stagers
         writes.track(future, functools.partial(_complete, path, partial, then), path)
     else:
         dcp.save(state, checkpoint_id=str(partial))  # collective; every rank writes its own shards
@@ -200,20 +205,32 @@ def _async_group() -> Any:
 
 
 def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
-    """Load an FSDP2 checkpoint directory into ``objects`` (collective); return its plain values."""
+    """Load an FSDP2 checkpoint directory into ``objects``; return its plain values.
+
+    With an FSDP2 model among ``objects`` it is collective (DCP reshards for this number of ranks);
+    without one (a plain or DDP model, on any number of processes, a process group or none), every model
+    among ``objects`` takes the FSDP2 model saved under its name, and each process reads it whole by itself.
+    Per-rank objects (loader, step, tracker) on another number of processes are merged as a checkpoint
+    file's are (:mod:`speedups.checkpoint.layout_change`); each rank's own buffers and RNG states come back
+    on the same number of ranks only (else the buffers saved from one rank, and the RNG states as they are).
+
+    Raises:
+        SpeedupsError: an object's entry was not saved, or does not fit it (names, shapes: DCP's message).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     said = f"load_checkpoint({str(path)!r})"
     if not path.is_dir():
         raise FileNotFoundError(f"{said}: no FSDP2 checkpoint directory there.")
+    alone = fsdp_type() is None or not any(isinstance(o, fsdp_type()) for o in objects.values())  # type: ignore[arg-type]
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     saved = {key.split(".")[0] for key in metadata.state_dict_metadata}
     blobbed = "_ranks" in saved  # per-rank objects in one blob (older directories: DCP entries)
     entries = metadata.state_dict_metadata
     empty = {name for name in objects if isinstance(entries.get(name), dcp.metadata.BytesStorageMetadata)}
-    state = _dcp_state(objects, empty)
-    per_rank = _per_rank(objects)
+    state = _dcp_state(objects, empty, plain_models=alone)
+    per_rank = _per_rank(objects, plain_models=alone)
     if not blobbed:
         state.update({name: obj.state_dict() for name, obj in per_rank.items()})
     state["_plain"] = b""
@@ -225,11 +242,21 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         raise SpeedupsError(
             f"{said}: {missing} were not saved; it holds {sorted(saved - {'_plain', '_rng', '_ranks'})}."
         )
-    dcp.load(state, checkpoint_id=str(path))  # fills ``state`` in place (sharded tensors read per rank)
+    try:  # fills ``state`` in place (sharded tensors read per rank; whole ones by a process alone)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=alone)
+    except BaseException as err:  # CheckpointException derives from BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise SpeedupsError(
+            f"{said}: torch.distributed.checkpoint could not load it into these objects "
+            f"({_first_line(err)}). Load it into a model and optimizer with the parameters it was saved with (names and shapes)."
+        ) from err
     ranks = _unblob(state["_ranks"]) if blobbed else {}
     if blobbed:
         state.update(_this_rank(said, ranks, per_rank))
-    models, owners = _models_and_owners(objects)
+    models, owners = _models_and_owners(objects, plain_models=alone)
     buffers = ranks.get("buffers")  # each rank's own buffers (older directories: none)
     own_buffers = buffers[env.rank()] if buffers and len(buffers) == env.world_size() else {}
     for name, obj in objects.items():
@@ -284,6 +311,11 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
             f"Was it written by save_checkpoint with an FSDP2 model?"
         ) from None
     return dict(_unblob(state["_plain"]))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
 def _on_cpu(value: Any) -> Any:

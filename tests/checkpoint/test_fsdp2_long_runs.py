@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from tests._dist import FSDP2_REASON, HAS_FSDP2, WORKERS, run_torchrun
+from speedups import SpeedupsError, SpeedupsWarning, load_checkpoint
+from tests._dist import FSDP2_REASON, HAS_FSDP2, ROOT, WORKERS, _env, run_torchrun
 
 pytestmark = [
     pytest.mark.slow,
@@ -119,3 +123,39 @@ def test_a_sigterm_at_a_random_micro_step_exits_75_and_the_resumed_run_is_bit_fo
     done = run_torchrun(SCRIPT, [str(out), "rundir-resume", "sig"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _check_resumed(out, "sig", refs, said) == stopped, said
+
+
+def test_two_ranks_checkpoint_continues_in_one_plain_process_with_the_same_global_batch(
+    tmp_path: Path,
+) -> None:
+    """Saved by 2 FSDP2 ranks after micro-step 4 (@accumulate(4), micro-batches of 2: 16 samples an update),
+    loaded by one plain process with no process group into an unwrapped model with @accumulate(8): DCP reads
+    the shards whole, the loader deals the micro-batches the 2 ranks would have, the step counts in its own
+    micro-steps. Within 1e-5 of the 2-rank run that never stopped (the gradients are summed in another
+    order). No dropout or batch norm here: another layout draws other masks, and the gradient of a bias just
+    before batch norm is rounding noise that AdamW scales up to whole steps."""
+    done = run_torchrun(SCRIPT, [str(tmp_path), "elastic"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "one"], cwd=ROOT, env=_env(None), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "saved with 2 processes, resumed on 1" in done.stderr  # the RNG states stay as they are: said
+    ref = torch.load(tmp_path / "elastic-ref-rank0.pt", weights_only=True)
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert ref["updates"] == (20, 6) and one["updates"] == (40, 6)
+    assert _distance(one, ref) < 1e-5, _distance(one, ref)
+    # Here too (no process group): the weights alone, for evaluation or export, as DCP saved them whole;
+    # a model of other shapes is refused with DCP's reason, naming the directory.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "elastic4", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)["model"]
+    net = nn.Sequential(nn.Linear(6, 16), nn.Identity(), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 1))
+    with pytest.warns(SpeedupsWarning, match="saved with 2 processes, resumed on 1"):
+        assert load_checkpoint(tmp_path / "elastic4", model=net) == {"epoch": 0}
+    assert all(torch.equal(value, whole[key]) for key, value in net.state_dict().items())
+    wrong = nn.Sequential(nn.Linear(6, 8), nn.Identity(), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 1))
+    with pytest.raises(SpeedupsError, match=r"elastic4'\): torch.distributed.checkpoint could not .*shape"):
+        load_checkpoint(tmp_path / "elastic4", model=wrong)
