@@ -251,7 +251,8 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
             raise
         raise SpeedupsError(
             f"{said}: torch.distributed.checkpoint could not load it into these objects "
-            f"({_first_line(err)}). Load it into a model and optimizer with the parameters it was saved with (names and shapes)."
+            f"({_first_line(err)}). Load it into a model and optimizer with the parameters it was saved "
+            f"with (names and shapes)."
         ) from err
     ranks = _unblob(state["_ranks"]) if blobbed else {}
     if blobbed:
