@@ -80,7 +80,8 @@ def accumulate(
             norm then sums in ``model.parameters()`` order, bit-identical to ``clip_grad_norm_``'s.
         skip_nonfinite: skip (and warn about) a window whose loss or gradient is NaN/inf; one sync per step.
         micro_batch_size: split each call's tensors along dim 0 into micro-batches of at most this many rows,
-            weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``).
+            weighed exactly; ``"auto"``: whole batches, halved on out of memory (see ``micro_batching``;
+            not with FSDP2 on several ranks, whose collectives no rank can run again alone).
         split: ``split(args, kwargs, size) -> [(args, kwargs), ...]`` for batches the dim-0 rule cannot split.
         memory_budget: bytes the activations may take (``"auto"``: the GPU's free memory, the CPU's available
             memory). The first calls measure, then keep the fastest mix of micro-batch size (halvings of the
@@ -96,7 +97,8 @@ def accumulate(
     Raises:
         TypeError, ValueError: a bad argument; at call time (before any gradient is touched), a result that
             is not a scalar loss with a ``grad_fn``, or a bad ``num_items``.
-        SpeedupsError: a call switches between a bare loss and ``(loss, num_items)``.
+        SpeedupsError: a call switches between a bare loss and ``(loss, num_items)``; at decoration, a
+            ``memory_budget`` or ``micro_batch_size="auto"`` with an FSDP2 model on several ranks.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -140,6 +142,16 @@ def accumulate(
             )
         sync = grad_sync_for(model)
         sync.check_window(every if enabled else 1, micro_batch_size is not None)  # before anything changes
+        fsdp2_ranks = sync.world if sync.kind is SyncKind.FSDP2 else 1
+        if micro_batch_size == AUTO and memory_budget is None and fsdp2_ranks > 1:
+            raise SpeedupsError(
+                f"accumulate({every}, optimizer, micro_batch_size='auto', model=<FSDP2 on {sync.world} "
+                f"ranks>): 'auto' halves the micro-batch after an out-of-memory error and runs the call "
+                f"again, but the other ranks are then inside the forward's parameter all-gathers, which "
+                f"every rank must call alike: one rank cannot run its call again alone, and the ranks "
+                f"cannot agree on a smaller size in the middle of a collective. Give micro_batch_size=<int>: "
+                f"the size find_batch_size(...) finds on one rank, or one that fits beside the sharded model."
+            )
         plan = None
         if memory_budget is not None:
             if sync.kind is SyncKind.FSDP2:
