@@ -77,3 +77,20 @@ def test_compile_benchmark_quick_mode_prints_its_line_and_the_table() -> None:
     line = r"compile: blocks compile \d+\.\dx faster than the whole model; step \d+\.\d\dx of the whole model"
     assert re.search(line, out.stdout), out.stdout
     assert "| whole |" in out.stdout and "| blocks |" in out.stdout
+
+
+@pytest.mark.distributed
+def test_checkpointing_benchmark_quick_mode_prints_both_lines() -> None:
+    """The file save and the FSDP2 directory save (2 gloo processes under torchrun), blocking and in the
+    background: each prints its ratio line (no bound here: timings are the benchmark's, not a test's)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpointing", "--quick"], cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(
+        r"checkpointing: background save stalls the loop \d+\.\d\dx of a synchronous save", out.stdout
+    ), out.stdout
+    assert re.search(
+        r"checkpointing: FSDP2 background save stalls the loop \d+\.\d\dx of a blocking one", out.stdout
+    ), out.stdout
