@@ -129,9 +129,9 @@ def read(path: Path, said: str) -> Contents:
     """
     if path.is_dir():
         raise SpeedupsError(
-            f"{said}: this is a directory, not a checkpoint file. Pass the file save_checkpoint wrote "
-            f"(a directory is an FSDP2 checkpoint: load it with the FSDP2 model, ddp_wrap(model, "
-            f"strategy='fsdp'))."
+            f"{said}: this is a directory, but not an FSDP2 checkpoint (no .metadata in it, as "
+            f"torch.distributed.checkpoint writes). Pass the file save_checkpoint wrote, or the directory it "
+            f"wrote for an FSDP2 model."
         )
     if not path.exists():
         raise FileNotFoundError(f"{said}: no checkpoint file there.")

@@ -108,7 +108,10 @@ def load_checkpoint(
     sharded = holds_fsdp(objects)
     if sharded or (path / ".metadata").is_file():  # an FSDP2 directory: into FSDP2, or plain models
         if keys:
-            raise ValueError(f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory.")
+            raise ValueError(
+                f"{said}: keys= maps entries of a checkpoint file, not of an FSDP2 directory. Pass each "
+                f"object by the name it was saved under (model=..., optimizer=...)."
+            )
         if sharded:
             arrive("load_checkpoint")  # FSDP2 loads are collective
         values = load_sharded(path, objects)
