@@ -21,7 +21,7 @@ from speedups._helpers.wrappers import strip_prefixes
 from speedups.data.distributed_loader import DistributedLoader
 from speedups.errors import SpeedupsError, SpeedupsWarning
 
-__all__ = ["check_entry", "is_checked"]
+__all__ = ["check_class", "check_entry", "is_checked"]
 
 # Keys a parameter group may gain or lose across torch versions or from an LR scheduler, which the
 # optimizer fills in itself when missing (``__setstate__`` defaults, ``setdefault("initial_lr")``).
@@ -58,10 +58,10 @@ def check_entry(
     if isinstance(obj, nn.Module):
         return _check_model(said, what, obj, saved) if strict else _matching(said, what, obj, saved, depth)
     if isinstance(obj, torch.optim.Optimizer):
-        _check_class(said, what, obj, saved_class, "optimizer")
+        check_class(said, what, obj, saved_class, "optimizer")
         _check_optimizer(said, what, obj, saved)
     elif isinstance(obj, _LRScheduler):
-        _check_class(said, what, obj, saved_class, "scheduler")
+        check_class(said, what, obj, saved_class, "scheduler")
         own = obj.state_dict()
         if not isinstance(saved, Mapping) or set(saved) != set(own):
             got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
@@ -84,7 +84,9 @@ def check_entry(
     return saved
 
 
-def _check_class(said: str, what: str, obj: Any, saved_class: str | None, kind: str) -> None:
+def check_class(said: str, what: str, obj: Any, saved_class: str | None, kind: str) -> None:
+    """Raise ``SpeedupsError`` if ``obj`` (an optimizer or scheduler) is not of the class it was saved from
+    (``saved_class``; None: not recorded, nothing checked)."""
     here = type(obj).__name__
     if saved_class and saved_class != here:
         raise SpeedupsError(

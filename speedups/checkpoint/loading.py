@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from speedups._helpers import validate
+from speedups._helpers import env, validate
 from speedups._helpers.arrival import arrive
 from speedups._helpers.rng import set_rng_states
 from speedups._helpers.state_strides import follow_strides, state_follows_params
@@ -148,7 +148,9 @@ def load_contents(
                           classes.get(entry_of[name]), strict=strict, depth=depth)
         for name, obj in objects.items()
     }  # fmt: skip
-    rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks, depth + 2)  # checked before any change
+    rng = None  # weights alone on another layout (evaluation, export): nothing trains, nothing to say
+    if not (all(isinstance(o, torch.nn.Module) for o in objects.values()) and _other_layout(contents)):
+        rng = rng_of_this_rank(contents.rng, said, contents.rng_ranks, depth + 2)  # checked before any change
     _load_all(objects, ready, strict)
     _layouts_follow_params(objects)
     if rng is not None:
@@ -225,6 +227,11 @@ def _missing(
         f"no entry {absent}; it holds {held[:12]}{' ...' if len(held) > 12 else ''}. Map the names to its "
         f"entries: load_checkpoint(path, ..., keys={{{example}}}).{hint}"
     )
+
+
+def _other_layout(contents: file_format.Contents) -> bool:
+    """Whether the file's RNG states are not every rank's of this layout (saved on another world size)."""
+    return contents.rng is not None and contents.rng_ranks is None and len(contents.rng) != env.world_size()
 
 
 def _load_all(objects: dict[str, Any], ready: dict[str, Any], strict: bool) -> None:

@@ -24,12 +24,19 @@ import torch
 from torch import nn
 
 from speedups._helpers import env
+from speedups._helpers.rng import set_rng_states
 from speedups._helpers.tree import tree_map
 from speedups.checkpoint import background as writes
-from speedups.checkpoint.entries import fsdp_type
+from speedups.checkpoint.checks import check_class, check_entry
+from speedups.checkpoint.entries import fsdp_type, saved_object
 from speedups.checkpoint.file_format import Contents
 from speedups.checkpoint.layout_change import changes_layout, states_for_this_layout
-from speedups.checkpoint.rank_states import gather_rank_states, is_per_rank, restore_rng, state_of_this_rank
+from speedups.checkpoint.rank_states import (
+    gather_rank_states,
+    is_per_rank,
+    rng_of_this_rank,
+    state_of_this_rank,
+)
 from speedups.errors import SpeedupsError
 
 __all__ = ["load_sharded", "plain_values_of_directory", "save_sharded"]
@@ -146,9 +153,9 @@ def save_sharded(
     # plain values, as in a checkpoint file rank 0 writes.
     state["_plain"] = _blob(every["plain"][0])
     state["_rng"] = _blob(rng)
-    state["_ranks"] = _blob(
-        {"world_size": len(rng), "rank0": rank0, "per_rank": per_rank, "buffers": every["buffers"]}
-    )
+    classes = {name: type(saved_object(obj)).__name__ for name, obj in objects.items()}
+    ranks = {"world_size": len(rng), "rank0": rank0, "per_rank": per_rank, "buffers": every["buffers"]}
+    state["_ranks"] = _blob({**ranks, "classes": classes})
     before = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every["error"]) if e)
     if background:
         response = dcp.async_save(state, checkpoint_id=str(partial), process_group=_async_group())
@@ -214,35 +221,79 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
     file's are (:mod:`speedups.checkpoint.layout_change`); each rank's own buffers and RNG states come back
     on the same number of ranks only (else the buffers saved from one rank, and the RNG states as they are).
 
+    Nothing changes when it raises: the per-rank states, the classes and the RNG states are read and checked
+    first; DCP checks names and shapes before it reads a tensor into a model or an optimizer.
+
     Raises:
-        SpeedupsError: an object's entry was not saved, or does not fit it (names, shapes: DCP's message).
+        SpeedupsError: an object's entry was not saved, or does not fit it (DCP's reason, for the sharded
+            ones); LayoutError: this layout cannot continue the saved one (see ``layout_change``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     said = f"load_checkpoint({str(path)!r})"
     if not path.is_dir():
         raise FileNotFoundError(f"{said}: no FSDP2 checkpoint directory there.")
-    alone = fsdp_type() is None or not any(isinstance(o, fsdp_type()) for o in objects.values())  # type: ignore[arg-type]
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    saved = {key.split(".")[0] for key in metadata.state_dict_metadata}
+    fsdp = fsdp_type()
+    alone = fsdp is None or not any(isinstance(o, fsdp) for o in objects.values())
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {key.split(".")[0] for key in entries}
     blobbed = "_ranks" in saved  # per-rank objects in one blob (older directories: DCP entries)
-    entries = metadata.state_dict_metadata
     empty = {name for name in objects if isinstance(entries.get(name), dcp.metadata.BytesStorageMetadata)}
-    state = _dcp_state(objects, empty, plain_models=alone)
     per_rank = _per_rank(objects, plain_models=alone)
-    if not blobbed:
-        state.update({name: obj.state_dict() for name, obj in per_rank.items()})
-    state["_plain"] = b""
-    state["_rng"] = b""
-    if blobbed:
-        state["_ranks"] = b""
-    missing = sorted(set(state) - saved)
+    missing = sorted(set(objects) - saved - (set(per_rank) if blobbed else set()))  # those: in _this_rank
     if missing:
         raise SpeedupsError(
             f"{said}: {missing} were not saved; it holds {sorted(saved - {'_plain', '_rng', '_ranks'})}."
         )
-    try:  # fills ``state`` in place (sharded tensors read per rank; whole ones by a process alone)
+    blobs = _read(said, path, dict.fromkeys(["_plain", "_rng", *(["_ranks"] if blobbed else [])], b""), alone)
+    ranks = _unblob(blobs["_ranks"]) if blobbed else {}
+    ready: dict[str, Any] = {}
+    if blobbed:  # every check that can refuse, before anything changes
+        own = _this_rank(said, ranks, per_rank)
+        ready = {name: check_entry(said, name, name, saved_object(obj), own[name], None, depth=4)
+                 for name, obj in per_rank.items()}  # fmt: skip
+    for name, obj in objects.items():
+        kind = "optimizer" if isinstance(obj, torch.optim.Optimizer) else "scheduler"
+        if kind == "optimizer" or isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            check_class(said, name, obj, ranks.get("classes", {}).get(name), kind)
+    rng_states = _unblob(blobs["_rng"])
+    rng, notes = None, []  # weights alone on another layout (evaluation, export): nothing trains, no word
+    if not (_only_models(objects) and len(rng_states) != env.world_size()):
+        with warnings.catch_warnings(record=True) as caught:  # checked now; said once the load went through
+            warnings.simplefilter("always")
+            rng = rng_of_this_rank(rng_states, said, None, 5)
+        notes = list(caught)
+    fresh = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
+    state = _dcp_state(objects, empty, plain_models=alone)  # a fresh optimizer's state is made here
+    if not blobbed:
+        state.update({name: obj.state_dict() for name, obj in per_rank.items()})
+    try:
+        state = _read(said, path, state, alone)  # in place: the tensors are the objects' own
+    except SpeedupsError:
+        for optimizer in fresh:
+            optimizer.state.clear()  # as it was: get_optimizer_state_dict made it
+        raise
+    _apply(objects, state, ready, ranks, empty, alone)
+    if rng is not None:
+        set_rng_states(rng)
+    for note in notes:
+        warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
+    return dict(_unblob(blobs["_plain"]))
+
+
+def _only_models(objects: dict[str, Any]) -> bool:
+    return all(isinstance(o, nn.Module) for o in objects.values())
+
+
+def _read(said: str, path: Path, state: dict[str, Any], alone: bool) -> dict[str, Any]:
+    """``dcp.load`` of ``state`` (filled in place; returned). ``alone``: this process reads by itself.
+
+    Raises:
+        SpeedupsError: DCP refused (the first rank's reason: a missing key, a shape).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=alone)
@@ -250,13 +301,20 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         raise SpeedupsError(
-            f"{said}: torch.distributed.checkpoint could not load it into these objects "
-            f"({_first_line(err)}). Load it into a model and optimizer with the parameters it was saved "
-            f"with (names and shapes)."
+            f"{said}: torch.distributed.checkpoint could not load it into these objects ({_reason(err)}). "
+            f"Load it into a model and optimizer with the parameters it was saved with (names and shapes); "
+            f"nothing was changed."
         ) from err
-    ranks = _unblob(state["_ranks"]) if blobbed else {}
-    if blobbed:
-        state.update(_this_rank(said, ranks, per_rank))
+    return state
+
+
+def _apply(
+    objects: dict[str, Any], state: dict[str, Any], ready: dict[str, Any], ranks: Mapping[str, Any],
+    empty: set[str], alone: bool,
+) -> None:  # fmt: skip
+    """Put what DCP read (``state``) and the checked per-rank states (``ready``) into the objects."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     models, owners = _models_and_owners(objects, plain_models=alone)
     buffers = ranks.get("buffers")  # each rank's own buffers (older directories: none)
     own_buffers = buffers[env.rank()] if buffers and len(buffers) == env.world_size() else {}
@@ -269,9 +327,19 @@ def load_sharded(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
         elif name in owners:
             set_optimizer_state_dict(owners[name], obj, state[name])
         else:
-            obj.load_state_dict(state[name])
-    restore_rng(_unblob(state["_rng"]))
-    return dict(_unblob(state["_plain"]))
+            saved_object(obj).load_state_dict(ready[name] if name in ready else state[name])
+
+
+def _reason(err: BaseException) -> str:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (its message alone says only
+    which ranks failed), else the exception's first line."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        err = inner if isinstance(inner, BaseException) else err
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
 def _this_rank(said: str, ranks: Mapping[str, Any], objects: dict[str, Any]) -> dict[str, Any]:
@@ -312,11 +380,6 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
             f"Was it written by save_checkpoint with an FSDP2 model?"
         ) from None
     return dict(_unblob(state["_plain"]))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
 def _on_cpu(value: Any) -> Any:

@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from speedups import SpeedupsError, SpeedupsWarning, load_checkpoint
+from speedups import SpeedupsError, accumulate, distributed, fast_loader, load_checkpoint
+from speedups.checkpoint.layout_change import LayoutError
 from tests._dist import FSDP2_REASON, HAS_FSDP2, ROOT, WORKERS, _env, run_torchrun
 
 pytestmark = [
@@ -98,13 +99,21 @@ def test_background_saves_of_processes_that_end_without_close_resume_equal(
 ) -> None:
     """RunDirectory(every_updates=1, background=True): DCP's async_save after each update; the processes
     end right after the save at micro-step 14 is handed to DCP (no close(), no destroy_distributed()). The
-    interpreter's exit waits for it: the resumed run starts at micro-step 14 and ends torch.equal."""
+    interpreter's exit waits for it: the resumed run starts at micro-step 14 and ends torch.equal. The same
+    when the processes end by destroy_distributed() and os._exit."""
     out, refs = runs
     done = run_torchrun(SCRIPT, [str(out), "rundir", "bg", "14"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     done = run_torchrun(SCRIPT, [str(out), "rundir-resume", "bg"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _check_resumed(out, "bg", refs, "background") == 14
+    # Ended by destroy_distributed() and os._exit (which waits for nothing): destroy_distributed() waits for
+    # the save in flight before the group (DCP's thread uses it) goes.
+    done = run_torchrun(SCRIPT, [str(out), "rundir", "destroyed", "14", "destroy"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_torchrun(SCRIPT, [str(out), "rundir-resume", "destroyed"], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _check_resumed(out, "destroyed", refs, "destroy_distributed") == 14
 
 
 def test_a_sigterm_at_a_random_micro_step_exits_75_and_the_resumed_run_is_bit_for_bit(
@@ -153,9 +162,24 @@ def test_two_ranks_checkpoint_continues_in_one_plain_process_with_the_same_globa
     dcp_to_torch_save(tmp_path / "elastic4", tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)["model"]
     net = nn.Sequential(nn.Linear(6, 16), nn.Identity(), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 1))
-    with pytest.warns(SpeedupsWarning, match="saved with 2 processes, resumed on 1"):
-        assert load_checkpoint(tmp_path / "elastic4", model=net) == {"epoch": 0}
+    assert load_checkpoint(tmp_path / "elastic4", model=net) == {"epoch": 0}  # no word on RNG: not training
     assert all(torch.equal(value, whole[key]) for key, value in net.state_dict().items())
     wrong = nn.Sequential(nn.Linear(6, 8), nn.Identity(), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 1))
-    with pytest.raises(SpeedupsError, match=r"elastic4'\): torch.distributed.checkpoint could not .*shape"):
-        load_checkpoint(tmp_path / "elastic4", model=wrong)
+    wrong_opt = torch.optim.AdamW(wrong.parameters(), lr=0.02)
+    with pytest.raises(SpeedupsError, match=r"elastic4'\): torch.distributed.checkpoint .*Size mismatch"):
+        load_checkpoint(tmp_path / "elastic4", model=wrong, optimizer=wrong_opt)
+    assert not wrong_opt.state  # the state torch's get_optimizer_state_dict made to read into: gone again
+    # Refused before anything changes: another global batch (the layout), another optimizer class.
+    fresh = nn.Sequential(nn.Linear(6, 16), nn.Identity(), nn.Tanh(), nn.Dropout(0.0), nn.Linear(16, 1))
+    before = {key: value.clone() for key, value in fresh.state_dict().items()}
+    opt = torch.optim.AdamW(fresh.parameters(), lr=0.02)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randn(40, 1))
+    loader = distributed(fast_loader(data, 2, shuffle=True, num_workers=0))
+    step = accumulate(4, opt, model=fresh)(lambda x, y: torch.nn.functional.mse_loss(fresh(x), y))
+    with pytest.raises(LayoutError, match=r"16 samples per optimizer step; this run has .* 8 samples"):
+        load_checkpoint(tmp_path / "elastic4", model=fresh, optimizer=opt, loader=loader, step=step)
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    with pytest.raises(SpeedupsError, match=r"saved from optimizer class AdamW, and this one is a SGD"):
+        load_checkpoint(tmp_path / "elastic4", model=fresh, optimizer=sgd)
+    assert all(torch.equal(value, before[key]) for key, value in fresh.state_dict().items())
+    assert not opt.state and not sgd.state and step.step == 0 and loader.state_dict()["batches"] == 0

@@ -5,8 +5,9 @@ processes unless said:
 - ``full``: the uninterrupted run (``ref-rank<r>.pt``), then the same run saving a checkpoint directory
   after every micro-step of epoch 0 (``k<k>``; its result ``saving-rank<r>.pt``).
 - ``resume K[,K...]``: builds everything afresh for each K, loads ``k<K>``, finishes (``resumed-<K>-...``).
-- ``rundir NAME STOP``: through ``RunDirectory(OUT_DIR/NAME, every_updates=1, background=True)``; the
-  processes end after micro-step STOP without close(). ``signal NAME K``: one rank sends itself SIGTERM after
+- ``rundir NAME STOP [destroy]``: through ``RunDirectory(OUT_DIR/NAME, every_updates=1, background=True)``;
+  the processes end after micro-step STOP without close() (``destroy``: by destroy_distributed() and
+  ``os._exit``, which waits for nothing). ``signal NAME K``: one rank sends itself SIGTERM after
   micro-step K. ``rundir-resume NAME``: resumes NAME and finishes (``NAME-rank<r>.pt``).
 - ``elastic``: without batch norm and dropout, the uninterrupted run (``elastic-ref-rank<r>.pt``) and a
   checkpoint after micro-step 4 (``elastic4``). ``one`` (plain python, no process group): loads
@@ -107,11 +108,12 @@ def run(resume_from=None, save=False, sharded=True, every=EVERY, prefix="k"):
     }
 
 
-def run_directory(name, stop_at=None, signal_at=None):
+def run_directory(name, stop_at=None, signal_at=None, end_with="exit"):
     """Through ``RunDirectory(out / name, every_updates=1, background=True)``. ``stop_at``: end the process
     after that micro-step without close() (the last background save still in flight). ``signal_at``: rank
     ``signal_at % 2`` sends itself SIGTERM after that micro-step (micro-steps take 50 ms, so the ranks agree
-    a few later); each rank writes ``stop-rank<r>.txt``: the micro-step it stopped after and its exit code."""
+    a few later); each rank writes ``stop-rank<r>.txt``: the micro-step it stopped after and its exit code.
+    ``end_with="destroy"``: end by destroy_distributed() and ``os._exit``, not by the interpreter's exit."""
     model, opt, loader, step, tracker = build()
     run = RunDirectory(out / name, every_updates=1, background=True)
     state = dict(model=model, optimizer=opt, loader=loader, step=step, tracker=tracker)
@@ -131,6 +133,9 @@ def run_directory(name, stop_at=None, signal_at=None):
                 raise
             if step.step == stop_at:
                 sys.stdout.flush()
+                if end_with == "destroy":  # the group goes at once: destroy_distributed() waits for the save
+                    destroy_distributed()
+                    os._exit(0)
                 sys.exit(0)  # no close(), no destroy_distributed(): the interpreter's exit waits for the save
     run.close()
     return {
@@ -152,7 +157,8 @@ elif mode == "elastic":  # no dropout: the reference, and a checkpoint after mic
 elif mode == "one":  # a plain model in one process, no process group: twice the window, the same batch
     torch.save(run(resume_from=out / "elastic4", sharded=False, every=2 * EVERY), out / "one.pt")
 elif mode == "rundir":
-    run_directory(sys.argv[3], stop_at=int(sys.argv[4]))
+    end_with = sys.argv[5] if len(sys.argv) > 5 else "exit"
+    run_directory(sys.argv[3], stop_at=int(sys.argv[4]), end_with=end_with)
 elif mode == "signal":
     run_directory(sys.argv[3], signal_at=int(sys.argv[4]))
 elif mode == "rundir-resume":

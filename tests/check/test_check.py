@@ -1,0 +1,170 @@
+"""``python -m speedups.check``: the findings on scripts in the shapes public ones have, line by line; the
+exit status; ``--diff`` applied with ``patch -p1`` and the patched script run against the original.
+
+The scripts are tests/check/scripts/*.py; each place a reviewer would mark carries ``# check: <topic>`` on
+its line, and the check must find exactly those (the expert loop carries none).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import speedups
+from speedups.check import check_source, rewrite_source
+from speedups.check.rules import RULES
+from tests._dist import ROOT
+
+SCRIPTS = Path(__file__).parent / "scripts"
+NAMES = sorted(p.name for p in SCRIPTS.glob("*.py"))
+MARK = re.compile(r"#\s*check:\s*(\S+)")
+
+
+def _marked(path: Path) -> set[tuple[int, str]]:
+    lines = enumerate(path.read_text().splitlines(), 1)
+    return {(i, m.group(1)) for i, line in lines if (m := MARK.search(line))}
+
+
+def _check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "speedups.check", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_script_gets_exactly_the_findings_a_reviewer_marks(name: str) -> None:
+    path = SCRIPTS / name
+    found = check_source(path.read_text(), str(path))
+    assert {(f.line, f.topic) for f in found} == _marked(path), "\n".join(map(str, found))
+    for f in found:  # path:line: tip N (name): ... [docs page], the page there
+        shape = rf"{re.escape(str(path))}:{f.line}: (tip \d+ \([^)]+\)|[a-z_]+): .+ \[docs/\S+\.md\]"
+        assert re.fullmatch(shape, str(f)), str(f)
+        assert (ROOT / str(f).rsplit("[", 1)[1].rstrip("]")).is_file()
+
+
+def test_the_fixtures_cover_every_rule() -> None:
+    topics = {t for name in NAMES for _, t in _marked(SCRIPTS / name)}
+    assert {
+        "1",
+        "4",
+        "5",
+        "6",
+        "7",
+        "9",
+        "checkpoints",
+        "compile_blocks",
+        "fast_kernels",
+        "migration",
+    } <= topics
+    assert len(RULES) == 9
+
+
+def test_exit_status_summary_and_a_file_that_does_not_parse(tmp_path: Path) -> None:
+    done = _check(str(SCRIPTS / "expert.py"))
+    assert done.returncode == 0 and "nothing to change" in done.stdout, done.stdout + done.stderr
+    done = _check(str(SCRIPTS / "mnist_style.py"))
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(
+        "speedups.check: 6 places in 1 file: tip 1 (fast_loader) x1"
+    )
+    broken = tmp_path / "broken.py"
+    broken.write_text("for x in y:\n    print(x\n")
+    shutil.copy(SCRIPTS / "gan_style.py", tmp_path / "gan.py")
+    done = _check(str(tmp_path))
+    assert done.returncode == 2
+    said = rf"{re.escape(str(broken))}:2: cannot parse it \(.*\); the other files were checked"
+    assert re.search(said, done.stderr), done.stderr
+    assert f"{tmp_path / 'gan.py'}:13: tip 1 (fast_loader)" in done.stdout  # the other file still checked
+    done = _check(str(tmp_path / "missing.py"))
+    assert done.returncode == 2 and "cannot read it (FileNotFoundError" in done.stderr
+
+
+def test_the_check_never_imports_or_runs_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\nimport not_a_module\n")
+    done = _check(str(script))
+    assert done.returncode == 0 and not marker.exists(), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # .item() only every N steps; the copy non-blocking from pinned memory; clipping after unscale_;
+        # a torch.save under the rank check; set_epoch on the sampler; autocast on.
+        "import torch\nfor i, (x, y) in enumerate(loader):\n    x = x.to(device, non_blocking=True)\n"
+        "    with torch.autocast('cuda'):\n        loss = model(x).sum()\n    scaler.scale(loss).backward()\n"
+        "    scaler.unscale_(opt)\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "    if i % 100 == 0:\n        print(loss.item())\n",
+        "import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\nmodel = DDP(model)\n"
+        "sampler = DistributedSampler(ds)\nfor epoch in range(3):\n    sampler.set_epoch(epoch)\n"
+        "    for x in loader:\n        with torch.autocast('cuda'):\n            loss = model(x)\n"
+        "        loss.backward()\n    if rank == 0:\n        torch.save({'model': model.state_dict(), "
+        "'optimizer': opt.state_dict(), 'epoch': epoch, 'rng': torch.get_rng_state()}, 'c.pt')\n",
+    ],
+    ids=["a-careful-step", "a-careful-ddp-epoch"],
+)
+def test_no_finding_where_the_script_already_does_the_right_thing(source: str) -> None:
+    assert check_source(source) == []
+
+
+def test_speedups_check_stays_the_runtime_check_after_the_module_is_imported() -> None:
+    import speedups.check as module
+    from speedups.profiling import check as runtime
+
+    assert callable(speedups.check) and callable(module)
+    code = "import speedups, speedups.check; from speedups import check; print(check.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() in ("speedups.check", "check"), done.stderr
+    assert runtime.__module__.startswith("speedups.profiling")
+
+
+def _losses(script: Path, cwd: Path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("loss=")]
+
+
+CHANGED = [n for n in NAMES if rewrite_source((SCRIPTS / n).read_text()) != (SCRIPTS / n).read_text()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHANGED)
+def test_each_diff_applies_with_patch_and_the_patched_script_trains_the_same(
+    name: str, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    (work / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / name, work / "scripts" / name)
+    done = _check("--diff", f"scripts/{name}", cwd=work)
+    assert done.returncode == 1 and done.stdout.startswith(f"--- a/scripts/{name}"), done.stdout + done.stderr
+    assert "speedups.check:" in done.stderr  # the findings go to stderr with --diff: stdout is the patch
+    shutil.copytree(work, tmp_path / "original")
+    patched = subprocess.run(["patch", "-p1"], input=done.stdout, cwd=work, capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    source = (work / "scripts" / name).read_text()
+    compile(source, name, "exec")
+    assert "from speedups import" in source
+    if name == "accelerate_style.py" and importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed: the patched script parsed, not run")
+    before = _losses(tmp_path / "original" / "scripts" / name, tmp_path / "original")
+    after = _losses(work / "scripts" / name, work)
+    assert before and after == before
+
+
+def test_write_applies_it_and_keeps_the_original(tmp_path: Path) -> None:
+    script = tmp_path / "mnist.py"
+    shutil.copy(SCRIPTS / "mnist_style.py", script)
+    done = _check("--write", str(script))
+    assert done.returncode == 1
+    assert (tmp_path / "mnist.py.orig").read_text() == (SCRIPTS / "mnist_style.py").read_text()
+    assert "to_device((data, target), device)" in script.read_text()
+    assert check_source(script.read_text(), "mnist.py") != []  # what needs a person is still said
