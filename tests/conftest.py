@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Worker scripts run under torchrun; importing them (pytest --doctest-modules) would start their job.
-collect_ignore = ["workers", "check/scripts"]
+collect_ignore = ["workers", "lint/scripts"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

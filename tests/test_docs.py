@@ -34,7 +34,9 @@ TIP_AND_TOPIC_PAGES = sorted(
     [*(DOCS / "tips").glob("*.md"), *(p for p in (DOCS / "gpu").glob("*.md") if p.name != "index.md")]
     + [
         DOCS / name
-        for name in ("checkpoints.md", "long-runs.md", "metrics.md", "migration.md", "transformer.md")
+        for name in (
+            "checkpoints.md", "lint.md", "long-runs.md", "metrics.md", "migration.md", "transformer.md",
+        )
     ]
 )
 

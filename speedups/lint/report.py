@@ -1,4 +1,4 @@
-"""Check files and folders and print the findings (``python -m speedups.check``'s body)."""
+"""Check files and folders and print the findings (``python -m speedups.lint``'s body)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from speedups.check.finding import TOPICS, Finding
-from speedups.check.rules import findings
-from speedups.check.script import Script
+from speedups.lint.finding import TOPICS, Finding
+from speedups.lint.rules import findings
+from speedups.lint.script import Script
 
-__all__ = ["check_paths", "check_source", "files_of", "summary"]
+__all__ = ["lint_paths", "lint_source", "files_of", "summary"]
 
 
-def check_source(source: str, path: str = "<script>") -> list[Finding]:
+def lint_source(source: str, path: str = "<script>") -> list[Finding]:
     """The findings for one script's source (read, never imported or run).
 
     Raises:
@@ -36,7 +36,7 @@ def files_of(path: str) -> list[str]:
     ]  # fmt: skip
 
 
-def check_paths(
+def lint_paths(
     paths: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr
 ) -> tuple[int, list[Finding]]:
     """Check every file (and every ``.py`` under every folder) of ``paths``; print one line a finding, then
@@ -48,7 +48,7 @@ def check_paths(
         for file in files_of(path):
             try:
                 source = Path(file).read_text(encoding="utf-8")
-                found += check_source(source, file)
+                found += lint_source(source, file)
             except SyntaxError as e:
                 failed = True
                 err.write(f"{file}:{e.lineno}: cannot parse it ({e.msg}); the other files were checked\n")
@@ -64,12 +64,12 @@ def check_paths(
 def summary(found: list[Finding]) -> str:
     """One paragraph: which tips and topics apply, how often, in the tips' order."""
     if not found:
-        return "speedups.check: nothing to change: no tip applies to what these scripts do."
+        return "speedups.lint: nothing to change: no tip applies to what these scripts do."
     counts = Counter(f.topic for f in found)
     order = [t for t in TOPICS if t in counts]
     parts = [f"{'tip ' + t if t.isdigit() else t} ({TOPICS[t][0]}) x{counts[t]}" for t in order]
     files = len({f.path for f in found})
     return (
-        f"speedups.check: {len(found)} place{'s' if len(found) > 1 else ''} in {files} "
+        f"speedups.lint: {len(found)} place{'s' if len(found) > 1 else ''} in {files} "
         f"file{'s' if files > 1 else ''}: {', '.join(parts)}. `--diff` shows the mechanical upgrades."
     )

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from speedups.check.report import files_of
-from speedups.check.script import dotted
+from speedups.lint.report import files_of
+from speedups.lint.script import dotted
 
 __all__ = ["rewrite_paths", "rewrite_source"]
 

@@ -1,4 +1,4 @@
-"""One finding of ``python -m speedups.check``, and the tips and topics findings point to."""
+"""One finding of ``python -m speedups.lint``, and the tips and topics findings point to."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``python -m speedups.check``: the findings on scripts in the shapes public ones have, line by line; the
+"""``python -m speedups.lint``: the findings on scripts in the shapes public ones have, line by line; the
 exit status; ``--diff`` applied with ``patch -p1`` and the patched script run against the original.
 
-The scripts are tests/check/scripts/*.py; each place a reviewer would mark carries ``# check: <topic>`` on
+The scripts are tests/lint/scripts/*.py; each place a reviewer would mark carries ``# check: <topic>`` on
 its line, and the check must find exactly those (the expert loop carries none).
 """
 
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import speedups
-from speedups.check import check_source, rewrite_source
-from speedups.check.rules import RULES
+from speedups.lint import lint_source, rewrite_source
+from speedups.lint.rules import RULES
 from tests._dist import ROOT
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -33,14 +32,14 @@ def _marked(path: Path) -> set[tuple[int, str]]:
 
 
 def _check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "speedups.check", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "speedups.lint", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_script_gets_exactly_the_findings_a_reviewer_marks(name: str) -> None:
     path = SCRIPTS / name
-    found = check_source(path.read_text(), str(path))
+    found = lint_source(path.read_text(), str(path))
     assert {(f.line, f.topic) for f in found} == _marked(path), "\n".join(map(str, found))
     for f in found:  # path:line: tip N (name): ... [docs page], the page there
         shape = rf"{re.escape(str(path))}:{f.line}: (tip \d+ \([^)]+\)|[a-z_]+): .+ \[docs/\S+\.md\]"
@@ -71,7 +70,7 @@ def test_exit_status_summary_and_a_file_that_does_not_parse(tmp_path: Path) -> N
     done = _check(str(SCRIPTS / "mnist_style.py"))
     assert done.returncode == 1, done.stderr
     assert done.stdout.splitlines()[-1].startswith(
-        "speedups.check: 6 places in 1 file: tip 1 (fast_loader) x1"
+        "speedups.lint: 6 places in 1 file: tip 1 (fast_loader) x1"
     )
     broken = tmp_path / "broken.py"
     broken.write_text("for x in y:\n    print(x\n")
@@ -111,18 +110,7 @@ def test_the_check_never_imports_or_runs_the_script(tmp_path: Path) -> None:
     ids=["a-careful-step", "a-careful-ddp-epoch"],
 )
 def test_no_finding_where_the_script_already_does_the_right_thing(source: str) -> None:
-    assert check_source(source) == []
-
-
-def test_speedups_check_stays_the_runtime_check_after_the_module_is_imported() -> None:
-    import speedups.check as module
-    from speedups.profiling import check as runtime
-
-    assert callable(speedups.check) and callable(module)
-    code = "import speedups, speedups.check; from speedups import check; print(check.__name__)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip() in ("speedups.check", "check"), done.stderr
-    assert runtime.__module__.startswith("speedups.profiling")
+    assert lint_source(source) == []
 
 
 def _losses(script: Path, cwd: Path) -> list[str]:
@@ -146,7 +134,7 @@ def test_each_diff_applies_with_patch_and_the_patched_script_trains_the_same(
     shutil.copy(SCRIPTS / name, work / "scripts" / name)
     done = _check("--diff", f"scripts/{name}", cwd=work)
     assert done.returncode == 1 and done.stdout.startswith(f"--- a/scripts/{name}"), done.stdout + done.stderr
-    assert "speedups.check:" in done.stderr  # the findings go to stderr with --diff: stdout is the patch
+    assert "speedups.lint:" in done.stderr  # the findings go to stderr with --diff: stdout is the patch
     shutil.copytree(work, tmp_path / "original")
     patched = subprocess.run(["patch", "-p1"], input=done.stdout, cwd=work, capture_output=True, text=True)
     assert patched.returncode == 0, patched.stdout + patched.stderr
@@ -167,4 +155,14 @@ def test_write_applies_it_and_keeps_the_original(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert (tmp_path / "mnist.py.orig").read_text() == (SCRIPTS / "mnist_style.py").read_text()
     assert "to_device((data, target), device)" in script.read_text()
-    assert check_source(script.read_text(), "mnist.py") != []  # what needs a person is still said
+    assert lint_source(script.read_text(), "mnist.py") != []  # what needs a person is still said
+
+
+def test_our_examples_findings_are_the_ones_the_docs_explain() -> None:
+    """docs/lint.md lists each finding on examples/ with why the example keeps it: the same set."""
+    table = (ROOT / "docs" / "lint.md").read_text().split("## Our own examples", 1)[1].split("## ", 1)[0]
+    listed = set(re.findall(r"^\| `(examples/\S+\.py):(\d+)` \| (?:tip )?(\S+) \|", table, re.M))
+    done = _check("examples")
+    assert done.returncode == 1, done.stderr
+    found = set(re.findall(r"^(examples/\S+\.py):(\d+): (?:tip )?(\w+)", done.stdout, re.M))
+    assert found == listed and len(found) >= 1, (found, listed)

@@ -1,4 +1,4 @@
-"""The rules of ``python -m speedups.check``: each reads a :class:`~.script.Script` and yields findings.
+"""The rules of ``python -m speedups.lint``: each reads a :class:`~.script.Script` and yields findings.
 
 Each rule looks for one habit of hand-written loops, in the forms public scripts use, and stays quiet where
 the script already does the right thing (a periodic ``.item()`` under ``if step % 100 == 0``, a loss scaled
@@ -12,8 +12,8 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 
-from speedups.check.finding import Finding
-from speedups.check.script import Script, dotted
+from speedups.lint.finding import Finding
+from speedups.lint.script import Script, dotted
 
 __all__ = ["RULES", "findings"]
 
