@@ -285,11 +285,19 @@ def _only_models(objects: dict[str, Any]) -> bool:
     return all(isinstance(o, nn.Module) for o in objects.values())
 
 
-def _read(said: str, path: Path, state: dict[str, Any], alone: bool) -> dict[str, Any]:
+_INTO_OBJECTS = (
+    "could not load it into these objects ({reason}). Load it into a model and optimizer with the parameters "
+    "it was saved with (names and shapes); nothing was changed."
+)
+
+
+def _read(
+    said: str, path: Path, state: dict[str, Any], alone: bool, failed: str = _INTO_OBJECTS
+) -> dict[str, Any]:
     """``dcp.load`` of ``state`` (filled in place; returned). ``alone``: this process reads by itself.
 
     Raises:
-        SpeedupsError: DCP refused (the first rank's reason: a missing key, a shape).
+        SpeedupsError: DCP refused: ``failed`` with DCP's reason (the first rank's: a missing key, a shape).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -300,11 +308,8 @@ def _read(said: str, path: Path, state: dict[str, Any], alone: bool) -> dict[str
     except BaseException as err:  # CheckpointException derives from BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise SpeedupsError(
-            f"{said}: torch.distributed.checkpoint could not load it into these objects ({_reason(err)}). "
-            f"Load it into a model and optimizer with the parameters it was saved with (names and shapes); "
-            f"nothing was changed."
-        ) from err
+        reason = failed.format(reason=_reason(err))
+        raise SpeedupsError(f"{said}: torch.distributed.checkpoint {reason}") from err
     return state
 
 
@@ -358,7 +363,6 @@ def _this_rank(said: str, ranks: Mapping[str, Any], objects: dict[str, Any]) -> 
 
 def plain_values_of_directory(path: Path) -> dict[str, Any]:
     """The plain values of an FSDP2 checkpoint directory, read by this process alone (no collective)."""
-    import torch.distributed.checkpoint as dcp
 
     said = f"checkpoint_values({str(path)!r})"
     if not (path / ".metadata").is_file():
@@ -367,18 +371,10 @@ def plain_values_of_directory(path: Path) -> dict[str, Any]:
             f"torch.distributed.checkpoint writes). Pass a checkpoint file, or the directory save_checkpoint "
             f"wrote for an FSDP2 model."
         )
-    state: dict[str, Any] = {"_plain": b""}
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except BaseException as err:  # CheckpointException derives from BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise SpeedupsError(
-            f"{said}: torch.distributed.checkpoint could not read its plain values ({type(err).__name__}). "
-            f"Was it written by save_checkpoint with an FSDP2 model?"
-        ) from None
+    failed = (
+        "could not read its plain values ({reason}). Was it written by save_checkpoint for an FSDP2 model?"
+    )
+    state = _read(said, path, {"_plain": b""}, True, failed)
     return dict(_unblob(state["_plain"]))
 
 

@@ -43,33 +43,35 @@ def lint_paths(
     a summary. Returns the exit status (0: nothing applies, 1: something does, 2: a file could not be read or
     parsed, the others still checked) and the findings."""
     found: list[Finding] = []
-    failed = False
+    failed = 0
     for path in paths:
         for file in files_of(path):
             try:
                 source = Path(file).read_text(encoding="utf-8")
                 found += lint_source(source, file)
             except SyntaxError as e:
-                failed = True
+                failed += 1
                 err.write(f"{file}:{e.lineno}: cannot parse it ({e.msg}); the other files were checked\n")
             except (OSError, UnicodeDecodeError) as e:
-                failed = True
+                failed += 1
                 err.write(f"{file}: cannot read it ({type(e).__name__}: {e}); the other files were checked\n")
     for finding in found:
         out.write(f"{finding}\n")
-    out.write(summary(found) + "\n")
+    out.write(summary(found, failed) + "\n")
     return (2 if failed else 1 if found else 0), found
 
 
-def summary(found: list[Finding]) -> str:
-    """One paragraph: which tips and topics apply, how often, in the tips' order."""
+def summary(found: list[Finding], failed: int = 0) -> str:
+    """One paragraph: which tips and topics apply, how often, in the tips' order (``failed``: files that
+    could not be read or parsed, said first)."""
+    unread = f"{failed} file{'s' if failed > 1 else ''} could not be read (above); " if failed else ""
     if not found:
-        return "speedups.lint: nothing to change: no tip applies to what these scripts do."
+        return f"speedups.lint: {unread}nothing to change in {'the others' if failed else 'these scripts'}."
     counts = Counter(f.topic for f in found)
     order = [t for t in TOPICS if t in counts]
     parts = [f"{'tip ' + t if t.isdigit() else t} ({TOPICS[t][0]}) x{counts[t]}" for t in order]
     files = len({f.path for f in found})
     return (
-        f"speedups.lint: {len(found)} place{'s' if len(found) > 1 else ''} in {files} "
+        f"speedups.lint: {unread}{len(found)} place{'s' if len(found) > 1 else ''} in {files} "
         f"file{'s' if files > 1 else ''}: {', '.join(parts)}. `--diff` shows the mechanical upgrades."
     )

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from speedups.lint.report import files_of
-from speedups.lint.script import dotted
+from speedups.lint.script import Script, dotted
 
 __all__ = ["rewrite_paths", "rewrite_source"]
 
@@ -36,7 +36,8 @@ def rewrite_source(source: str) -> str:
     Raises:
         SyntaxError: the source does not parse.
     """
-    tree = ast.parse(source)
+    script = Script("<script>", source)
+    tree = script.tree
     lines = source.splitlines(keepends=True)
     offsets = [0]
     for line in lines:
@@ -62,6 +63,7 @@ def rewrite_source(source: str) -> str:
             if any(k.arg is None for k in node.keywords):
                 continue  # **kwargs: what it holds is not known here
             edits.append((*span(node.func), b"fast_loader"))
+            edits += _realigned(lines, offsets, node, len("fast_loader") - len(text(node.func)))
             for i, k in enumerate(node.keywords):
                 if k.arg == "num_workers" and isinstance(k.value, ast.Constant) and k.value.value == 0:
                     start, end = span(k)
@@ -74,7 +76,10 @@ def rewrite_source(source: str) -> str:
                         nxt = span(node.keywords[i + 1])[0] if i + 1 < len(node.keywords) else end
                         edits.append((start, nxt, b""))
             used.add("fast_loader")
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and len(node.targets) == 1:
+        elif (
+            isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and len(node.targets) == 1
+            and script.per_batch(node)  # where the lint says so: a copy once per step or batch
+        ):  # fmt: skip
             moved = [_moved(e) for e in node.value.elts]
             if len(moved) > 1 and all(m is not None for m in moved):
                 devices = {ast.dump(m[1]) for m in moved}  # type: ignore[index]
@@ -91,6 +96,23 @@ def rewrite_source(source: str) -> str:
     for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         data = data[:start] + new + data[end:]
     return data.decode("utf-8")
+
+
+def _realigned(
+    lines: list[str], offsets: list[int], call: ast.Call, delta: int
+) -> list[tuple[int, int, bytes]]:
+    """Edits that keep a call's continuation lines aligned with its opening parenthesis when its name grows
+    by ``delta`` characters (lines indented to the column after the ``(``; other indentation is left)."""
+    paren = call.func.end_col_offset or 0
+    first = lines[call.lineno - 1]
+    if delta <= 0 or paren >= len(first) or first[paren] != "(" or not first[paren + 1 :].strip():
+        return []  # nothing after "(" on its line: the arguments are indented by block, not aligned
+    edits = []
+    for number in range(call.lineno + 1, (call.end_lineno or call.lineno) + 1):
+        line = lines[number - 1]
+        if len(line) - len(line.lstrip(" ")) == paren + 1:
+            edits.append((offsets[number - 1], offsets[number - 1], b" " * delta))
+    return edits
 
 
 def _moved(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:

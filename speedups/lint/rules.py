@@ -39,13 +39,16 @@ def loaders(s: Script) -> Iterator[tuple[int, str, str]]:
         if s.method(call) != "DataLoader":
             continue
         kw = _kwargs(call)
+        # Given through **kwargs: a setting the script names anywhere may be in them; one it never names, not.
+        spread = any(k.arg is None for k in call.keywords)
+        named = {k for k in ("num_workers", "persistent_workers", "pin_memory") if spread and s.has(k)}
         problems = []
         workers = kw.get("num_workers")
-        if workers is None or _const(workers) == 0:
+        if (workers is None and "num_workers" not in named) or _const(workers) == 0:
             problems.append("loads every batch in the training process, between steps (no workers)")
-        elif _const(kw.get("persistent_workers")) is not True:
+        elif _unset(kw, "persistent_workers", named):
             problems.append("starts its workers again every epoch (no persistent_workers=True)")
-        if gpu and _const(kw.get("pin_memory")) is not True:
+        if gpu and _unset(kw, "pin_memory", named):
             problems.append("copies to the GPU from pageable memory (no pin_memory=True)")
         if s.in_loop(call):
             problems.append("is built anew inside a loop, its workers and sampler started over each time")
@@ -55,13 +58,20 @@ def loaders(s: Script) -> Iterator[tuple[int, str, str]]:
                    f"on a GPU, persistent, seeded)")  # fmt: skip
 
 
+def _unset(kw: dict[str, ast.expr], name: str, named: set[str]) -> bool:
+    """Whether keyword ``name`` is left out or ``False`` (an expression, ``pin_memory=use_cuda``, is set)."""
+    value = kw.get(name)
+    return (value is None and name not in named) or _const(value) is False
+
+
 def host_syncs(s: Script) -> Iterator[tuple[int, str, str]]:
     """Tip 5: ``.item()``, ``.cpu()``, ``.numpy()``, ``float(loss)`` or ``print(loss)`` every step waits for
     the device (a host-device sync per step); a list that appends the loss keeps every step's graph alive."""
     for call in s.calls():
-        if not s.in_step(call) or s.periodic(call):
+        if not s.per_batch(call) or s.periodic(call):
             continue
         name, args = s.method(call), call.args
+        every = "step" if s.in_step(call) else "batch"
         receiver = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else ""
         if name in ("item", "cpu", "numpy", "tolist") and not call.args:
             if name == "cpu" and not any(w in receiver for w in ("loss", "out", "pred", "logit", "acc")):
@@ -69,8 +79,9 @@ def host_syncs(s: Script) -> Iterator[tuple[int, str, str]]:
             yield (
                 call.lineno,
                 "5",
-                f".{name}() waits for the device every step (a host-device sync): "
-                f"tracker = LossTracker(); tracker.update(loss) keeps it on the device, read once per epoch",
+                f".{name}() waits for the device every {every} (a host-device sync): tracker = "
+                f"LossTracker(); tracker.update(loss) keeps it on the device, read once per epoch (a metric: "
+                f"sum it on the device, read it after the loop)",
             )
         elif name == "float" and args and dotted(args[0]) in s.losses:
             yield (
@@ -143,7 +154,7 @@ def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
     ``"cuda"`` fails without CUDA and puts every rank on GPU 0."""
     lines: set[int] = set()
     for call in s.calls():
-        if not s.in_step(call) or call.lineno in lines:
+        if not s.per_batch(call) or call.lineno in lines:
             continue
         name = s.method(call)
         receiver = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else ""
@@ -152,21 +163,25 @@ def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
         moves = name == "cuda" or (name == "to" and call.args and _names_a_device(call.args[0]))
         if moves and _const(_kwargs(call).get("non_blocking")) is not True:
             lines.add(call.lineno)
-            yield (
-                call.lineno,
-                "6",
-                "a synchronous copy per tensor from pageable memory: x, y = "
-                "to_device((x, y)) moves any nesting, non-blocking from the loader's pinned memory",
-            )
+            what = receiver if receiver.isidentifier() else "batch"
+            write = "x, y = to_device((x, y))" if _paired(s, call) else f"{what} = to_device({what})"
+            yield (call.lineno, "6", f"a synchronous copy per tensor from pageable memory: {write} moves any "
+                   f"nesting (tuples, dicts), non-blocking from the loader's pinned memory")  # fmt: skip
     for call in s.calls():
-        cuda = dotted(call.func) in ("torch.device", "device") and call.args and _is_cuda(call.args[0])
-        if cuda and not isinstance(s.parent.get(call), ast.IfExp):
+        one = dotted(call.func) in ("torch.device", "device") and len(call.args) == 1
+        if one and _is_cuda(call.args[0]) and not s.gpu_guarded(call):
             yield (
                 call.lineno,
                 "6",
                 "a hard-coded CUDA device fails on a machine without one and puts every "
                 "rank on GPU 0: device = resolve_device(None) (cuda:LOCAL_RANK, else mps, else cpu)",
             )
+
+
+def _paired(s: Script, call: ast.Call) -> bool:
+    """Whether ``call`` is one of several copies on the right of one assignment (``x, y = ...``)."""
+    parent = s.parent.get(call)
+    return isinstance(parent, ast.Tuple) and isinstance(s.parent.get(parent), ast.Assign)
 
 
 def _names_a_device(node: ast.expr) -> bool:
@@ -197,6 +212,12 @@ def precision(s: Script) -> Iterator[tuple[int, str, str]]:
                        "scaler.unscale_(optimizer) before): the threshold meets gradients times the loss "
                        "scale; @accumulate(..., max_grad_norm=) with mixed_precision('fp16') unscales "
                        "first")  # fmt: skip
+    for call in s.calls():
+        if dotted(call.func) in ("torch.cuda.amp.GradScaler", "torch.cuda.amp.autocast"):
+            new = f"torch.amp.{s.method(call)}('cuda')"
+            yield (call.lineno, "7", f"{dotted(call.func)} is deprecated ({new}): "
+                   f"mixed_precision('fp16') makes the autocast and the GradScaler, and unscales before "
+                   f"clipping")  # fmt: skip
     for call in s.calls():
         receiver = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else ""
         if s.method(call) == "half" and any(w in receiver.lower() for w in ("model", "net", "module")):
@@ -263,6 +284,7 @@ def checkpoints(s: Script) -> Iterator[tuple[int, str, str]]:
         missing = [label for label, words in (
             ("the optimizer", ("optim",)),
             ("the data position", ("loader", "sampler", "iter", "step", "batch", "epoch")),
+            ("the GradScaler's scale", ("scaler",) if s.has("GradScaler") else ("",)),
             ("the RNG states", ("rng", "random", "generator", "seed")),
         ) if not any(w in text for w in words)]  # fmt: skip
         if missing:
@@ -277,24 +299,50 @@ def compiling(s: Script) -> Iterator[tuple[int, str, str]]:
     grows with depth)."""
     convs = [c for c in s.calls() if s.method(c) in ("Conv2d", "Conv3d")]
     if convs and s.gpu and not s.has("cudnn.benchmark", "fast_kernels"):
-        yield (convs[0].lineno, "fast_kernels", "cuDNN picks convolution algorithms by heuristic "
+        yield (_built(s, convs[0]), "fast_kernels", "cuDNN picks convolution algorithms by heuristic "
                "(cudnn.benchmark off): fast_kernels(model) times them for the fixed input shape and uses "
                "channels_last")  # fmt: skip
-    repeats = re.search(r"ModuleList\(\s*\[[^\]]*for\s+\w+\s+in\s+range", s.source)
+    repeats = re.search(r"(\w+)\s*=\s*(?:nn\.)?ModuleList\(\s*\[[^\]]*for\s+\w+\s+in\s+range", s.source)
     for call in s.calls():
         if dotted(call.func) == "torch.compile" and repeats:
             yield (
                 call.lineno,
                 "compile_blocks",
-                "compiles the whole model, each repeated block traced again: "
-                "compile_blocks(model, 'blocks.*') compiles one block once (faster start-up; measure the "
-                "step, whole-model compile can be a few % faster per step)",
+                f"compiles the whole model, each repeated block traced "
+                f"again: compile_blocks(model, '{repeats.group(1)}.*') compiles one block once (faster "
+                f"start-up; measure the step, whole-model compile can be a few % faster per step)",
             )
 
 
+def _built(s: Script, node: ast.AST) -> int:
+    """The line where the model holding ``node`` is built (``model = Net()``), else ``node``'s own line."""
+    owner = next((a for a in s.ancestors(node) if isinstance(a, ast.ClassDef)), None)
+    if owner is not None:
+        made = [c.lineno for c in s.calls() if s.method(c) == owner.name]
+        if made:
+            return min(made)
+    return node.lineno  # type: ignore[attr-defined]
+
+
 def frameworks(s: Script) -> Iterator[tuple[int, str, str]]:
-    """Migration: a loop run through Accelerate's or Fabric's object takes each tip from that object; the
-    same loop with speedups' pieces stays the user's."""
+    """Migration: a loop run through Accelerate's or Fabric's object takes each tip from that object, and
+    two of its habits turn wrong in a ported loop: the schedule multiplied by ``num_processes`` (a prepared
+    scheduler steps once per process), ``save_state`` on the main process alone."""
+    for node in ast.walk(s.tree):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mult)
+            and "num_processes" in ast.unparse(node)
+        ):
+            yield (node.lineno, "migration", "the schedule multiplied by num_processes (Accelerate steps a "
+                   "prepared scheduler once per process): @accumulate(..., scheduler=) steps it once per "
+                   "optimizer step, "
+                   "so a ported loop drops the factor")  # fmt: skip
+    for call in s.calls():
+        if s.method(call) == "save_state" and s.guarded_by_rank(call):
+            yield (call.lineno, "checkpoints", "save_state on the main process alone: save_checkpoint(path, "
+                   "model=..., optimizer=..., loader=..., step=...) on every rank writes once, from rank 0, "
+                   "with every rank's RNG states and the loader's position")  # fmt: skip
     for call in s.calls():
         if s.method(call) in ("Accelerator", "Fabric"):
             yield (

@@ -67,6 +67,12 @@ class Script:
             loop for loop in stepping_loops
             if not any(o is not loop and self.inside(o, loop) for o in stepping_loops)
         ]  # fmt: skip
+        # Loops over a loader without a backward (evaluation): what they do, they do every batch too.
+        self.batch_loops = [
+            loop for loop in loops if isinstance(loop, (ast.For, ast.AsyncFor))
+            and "loader" in ast.unparse(loop.iter).lower() and loop not in stepping_loops
+        ]  # fmt: skip
+        self.losses |= self._derived(self.losses)
 
     # ------------------------------------------------------------------------------------------ queries
     def calls(self) -> Iterator[ast.Call]:
@@ -97,6 +103,36 @@ class Script:
     def in_step(self, node: ast.AST) -> bool:
         """Whether ``node`` runs once per step: in a step loop, or in a step function."""
         return any(self.inside(node, r) for r in (*self.step_loops, *self.step_functions))
+
+    def per_batch(self, node: ast.AST) -> bool:
+        """Whether ``node`` runs once per batch: per step, or in a loop over a loader (evaluation)."""
+        return self.in_step(node) or any(self.inside(node, loop) for loop in self.batch_loops)
+
+    def _derived(self, losses: set[str]) -> set[str]:
+        """Names assigned from a loss (``errD = errD_real + errD_fake``) or from a loss function's call
+        (``loss = criterion(out, y)``): they hold a graph too."""
+        found = set(losses)
+        assigns = [n for n in ast.walk(self.tree) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+        for _ in range(3):  # a short chain of sums
+            for node in assigns:
+                target = dotted(node.targets[0])
+                if not target or target in found:
+                    continue
+                names = {dotted(n) for n in ast.walk(node.value) if isinstance(n, (ast.Name, ast.Attribute))}
+                called = isinstance(node.value, ast.Call) and any(
+                    w in dotted(node.value.func).lower() for w in ("loss", "criterion")
+                )
+                if called or (names & found and not isinstance(node.value, ast.Call)):
+                    found.add(target)
+        return found - losses
+
+    def gpu_guarded(self, node: ast.AST) -> bool:
+        """Whether ``node`` runs only where CUDA is there (``if torch.cuda.is_available():``, an ``else``
+        of a test on it, a conditional expression on it)."""
+        for a in self.ancestors(node):
+            if isinstance(a, (ast.If, ast.IfExp)) and "cuda" in ast.unparse(a.test):
+                return True
+        return False
 
     def in_loop(self, node: ast.AST) -> bool:
         return any(isinstance(a, (ast.For, ast.While, ast.AsyncFor)) for a in self.ancestors(node))

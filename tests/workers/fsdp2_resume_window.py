@@ -90,6 +90,17 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def result(model, opt, step, tracker):
+    """What a run ends with, whole tensors (FSDP2's shards gathered): compared with torch.equal."""
+    return {
+        "weights": [full(p).detach().clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "optimizer": {k: {n: full(v) for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
+        "updates": (step.step, step.num_updates),
+        "tracker": tracker.state_dict(),
+    }
+
+
 def run(resume_from=None, save=False, sharded=True, every=EVERY, prefix="k"):
     model, opt, loader, step, tracker = build(sharded, every)
     state = dict(model=model, optimizer=opt, loader=loader, step=step, tracker=tracker)
@@ -99,13 +110,7 @@ def run(resume_from=None, save=False, sharded=True, every=EVERY, prefix="k"):
             tracker.update(step(x, y))
             if (save is True and epoch == 0) or (save and save is not True and step.step in save):
                 save_checkpoint(out / f"{prefix}{step.step}", **state, epoch=epoch)
-    return {
-        "weights": [full(p).detach().clone() for p in model.parameters()],
-        "buffers": [b.clone() for b in model.buffers()],
-        "optimizer": {k: {n: full(v) for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
-        "updates": (step.step, step.num_updates),
-        "tracker": tracker.state_dict(),
-    }
+    return result(model, opt, step, tracker)
 
 
 def run_directory(name, stop_at=None, signal_at=None, end_with="exit"):
@@ -138,14 +143,7 @@ def run_directory(name, stop_at=None, signal_at=None, end_with="exit"):
                     os._exit(0)
                 sys.exit(0)  # no close(), no destroy_distributed(): the interpreter's exit waits for the save
     run.close()
-    return {
-        "weights": [full(p).detach().clone() for p in model.parameters()],
-        "buffers": [b.clone() for b in model.buffers()],
-        "optimizer": {k: {n: full(v) for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
-        "updates": (step.step, step.num_updates),
-        "tracker": tracker.state_dict(),
-        "resumed_at": resumed_at,
-    }
+    return {**result(model, opt, step, tracker), "resumed_at": resumed_at}
 
 
 if mode == "full":

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, 1)  # check: fast_kernels
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
         self.fc1 = nn.Linear(8 * 13 * 13, 10)
 
     def forward(self, x):
@@ -26,7 +26,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)))
     train_loader = DataLoader(data, batch_size=8, shuffle=True)  # check: 1
-    model = Net().to(device)
+    model = Net().to(device)  # check: fast_kernels
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     step = 0
