@@ -3,10 +3,10 @@
 Only what needs no judgement is rewritten, in place, span by span on the source text (the syntax tree gives
 each span; the lines around stay as they were, comments included):
 
-- ``DataLoader(dataset, batch_size, ...)`` becomes ``fast_loader(dataset, batch_size, ...)`` (its other
-  keywords passed on; ``num_workers=0`` dropped, so workers are chosen): the same batches in the same order,
-  the sampler drawing its seed from the same generator;
-- ``x, y = x.to(device), y.to(device)`` (any tensors, one device) becomes
+- ``DataLoader(dataset, batch_size, ...)`` the lint finds slow becomes ``fast_loader(dataset, batch_size,
+  ...)`` (its other keywords passed on; ``num_workers=0`` dropped, so workers are chosen): the same batches
+  in the same order, the sampler drawing its seed from the same generator;
+- ``x, y = x.to(device), y.to(device)`` (any tensors, one device) once per step or batch becomes
   ``x, y = to_device((x, y), device)``;
 - ``from speedups import ...`` for what the rewrites use, after the script's last top-level import.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from speedups.lint.report import files_of
+from speedups.lint.rules import loaders
 from speedups.lint.script import Script, dotted
 
 __all__ = ["rewrite_paths", "rewrite_source"]
@@ -38,6 +39,7 @@ def rewrite_source(source: str) -> str:
     """
     script = Script("<script>", source)
     tree = script.tree
+    slow_loaders = {line for line, _, _ in loaders(script)}  # a loader already right is left as it is
     lines = source.splitlines(keepends=True)
     offsets = [0]
     for line in lines:
@@ -59,6 +61,7 @@ def rewrite_source(source: str) -> str:
             isinstance(node, ast.Call)
             and dotted(node.func).split(".")[-1] == "DataLoader"
             and len(node.args) <= 2
+            and node.lineno in slow_loaders
         ):
             if any(k.arg is None for k in node.keywords):
                 continue  # **kwargs: what it holds is not known here

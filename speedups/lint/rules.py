@@ -68,8 +68,9 @@ def host_syncs(s: Script) -> Iterator[tuple[int, str, str]]:
     """Tip 5: ``.item()``, ``.cpu()``, ``.numpy()``, ``float(loss)`` or ``print(loss)`` every step waits for
     the device (a host-device sync per step); a list that appends the loss keeps every step's graph alive."""
     for call in s.calls():
-        if not s.per_batch(call) or s.periodic(call):
-            continue
+        keeps_graph = s.method(call) == "append" and call.args and dotted(call.args[0]) in s.losses
+        if not s.per_batch(call) or (s.periodic(call) and not keeps_graph):
+            continue  # a sync every N steps costs little; a graph kept every N steps still adds up
         name, args = s.method(call), call.args
         every = "step" if s.in_step(call) else "batch"
         receiver = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else ""
@@ -121,7 +122,7 @@ def accumulation(s: Script) -> Iterator[tuple[int, str, str]]:
     if not divided:
         return
     ddp = s.has("DistributedDataParallel", "DDP(")
-    no_sync = s.has("no_sync", "require_backward_grad_sync")
+    no_sync, flag = s.has("no_sync"), s.has("require_backward_grad_sync")
     for node in ast.walk(s.tree):
         if not (isinstance(node, ast.If) and "%" in ast.unparse(node.test)):
             continue
@@ -130,23 +131,26 @@ def accumulation(s: Script) -> Iterator[tuple[int, str, str]]:
         if not steps:
             continue
         bugs = []
-        if ddp and not no_sync:
+        if ddp and not (no_sync or flag):
             bugs.append("under DDP every micro-step all-reduces (no no_sync())")
         if not re.search(r"len\(|last|end|final", ast.unparse(node.test)):
             bugs.append("the epoch's last short window is dropped or carried into the next epoch")
-        said = f" ({'; '.join(bugs)})" if bugs else ""
+        if not bugs and not flag:
+            return  # written right: no_sync where DDP is, the short window applied
+        said = f" ({'; '.join(bugs)})" if bugs else " (no_sync through DDP's private flag)"
         yield (node.lineno, "4", f"accumulation by hand{said}: @accumulate(N, optimizer) on a function "
                f"returning the loss divides it, steps every N calls, applies the short last window and skips "
                f"DDP's all-reduce between boundaries")  # fmt: skip
         return
+    if ddp and no_sync:
+        return  # micro-steps in a loop of their own, DDP's no_sync around them: written right
     first = min(divided, key=lambda n: n.lineno)
-    hand_sync = " (no_sync by hand)" if no_sync else ""
-    yield (
-        first.lineno,
-        "4",
-        f"accumulation by hand{hand_sync}: @accumulate(N, optimizer) on a function "
-        f"returning the loss is the same in one line, the short last window and DDP's no_sync included",
-    )
+    how = (
+        " (no_sync through DDP's private require_backward_grad_sync)" if flag
+        else " (under DDP every micro-step all-reduces: no no_sync())" if ddp else ""
+    )  # fmt: skip
+    yield (first.lineno, "4", f"accumulation by hand{how}: @accumulate(N, optimizer) on a function returning "
+           f"the loss is the same in one line, the short last window and DDP's no_sync included")  # fmt: skip
 
 
 def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
@@ -161,6 +165,8 @@ def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
         if any(w in receiver.lower() for w in ("model", "net", "self", "module")):
             continue
         moves = name == "cuda" or (name == "to" and call.args and _names_a_device(call.args[0]))
+        if name == "type" and call.args:  # .type(torch.cuda.FloatTensor), also through a name for it
+            moves = "cuda" in ast.unparse(s.value_of(call.args[0], call)).lower()
         if moves and _const(_kwargs(call).get("non_blocking")) is not True:
             lines.add(call.lineno)
             what = receiver if receiver.isidentifier() else "batch"
@@ -173,8 +179,8 @@ def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
             yield (
                 call.lineno,
                 "6",
-                "a hard-coded CUDA device fails on a machine without one and puts every "
-                "rank on GPU 0: device = resolve_device(None) (cuda:LOCAL_RANK, else mps, else cpu)",
+                "a hard-coded CUDA device fails on a machine without one (and would put every rank of a "
+                "DDP job on GPU 0): device = resolve_device(None) (cuda:LOCAL_RANK, else mps, else cpu)",
             )
 
 
@@ -242,7 +248,7 @@ def parallel(s: Script) -> Iterator[tuple[int, str, str]]:
                 "one process drives every GPU (threads under the GIL, the model copied to "
                 "each GPU every step): model = ddp_wrap(model), launched with torchrun",
             )
-        elif name == "DistributedSampler" and not s.has("set_epoch"):
+        elif name == "DistributedSampler" and not s.has("set_epoch") and _shuffles(call):
             yield (
                 call.lineno,
                 "9",
@@ -256,6 +262,11 @@ def parallel(s: Script) -> Iterator[tuple[int, str, str]]:
                 f"places layers on a GPU by hand (.to({_const(call.args[0])!r})): "
                 f"shard_model(model, {{'encoder': 0, 'decoder': 1}}) moves each part and its inputs, checked",
             )
+
+
+def _shuffles(call: ast.Call) -> bool:
+    """Whether a sampler shuffles (its default): ``shuffle=False`` draws nothing per epoch."""
+    return _const(_kwargs(call).get("shuffle")) is not False
 
 
 def checkpoints(s: Script) -> Iterator[tuple[int, str, str]]:

@@ -105,7 +105,17 @@ class Script:
         return any(self.inside(node, r) for r in (*self.step_loops, *self.step_functions))
 
     def per_batch(self, node: ast.AST) -> bool:
-        """Whether ``node`` runs once per batch: per step, or in a loop over a loader (evaluation)."""
+        """Whether ``node`` runs once per batch: per step, in a loop over a loader (evaluation), or in a
+        function one of those calls (``get_batch()``)."""
+        if self._in_batch_region(node):
+            return True
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+        function = next((a for a in self.ancestors(node) if isinstance(a, kinds)), None)
+        if function is None or self.loops_between(node, function):
+            return False
+        return any(self.method(c) == function.name and self._in_batch_region(c) for c in self.calls())
+
+    def _in_batch_region(self, node: ast.AST) -> bool:
         return self.in_step(node) or any(self.inside(node, loop) for loop in self.batch_loops)
 
     def _derived(self, losses: set[str]) -> set[str]:

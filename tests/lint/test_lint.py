@@ -168,3 +168,63 @@ def test_our_examples_findings_are_the_ones_the_docs_explain() -> None:
     assert done.returncode == 1, done.stderr
     found = set(re.findall(r"^(examples/\S+\.py):(\d+): (?:tip )?(\w+)", done.stdout, re.M))
     assert found == listed and len(found) >= 1, (found, listed)
+
+
+LOOP = "import torch\nfor x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        # an evaluation loop over a loader: a sync per batch too
+        (LOOP + "for x, y in val_loader:\n    hits += model(x).argmax(1).eq(y).sum().item()\n", {(6, "5")}),
+        # the old idiom, through a name for the CUDA tensor type
+        (LOOP + "Tensor = torch.cuda.FloatTensor\nfor x, in loader:\n    real = x.type(Tensor)\n"
+         "    d = crit(net(real), t)\n    d.backward()\n", {(7, "6")}),
+        # a loss kept every N steps still keeps its graph
+        (LOOP + "    if i % 5 == 0:\n        kept.append(loss)\n", {(6, "5")}),
+        # a copy in a function the step calls
+        ("import torch\ndef get_batch():\n    x, y = data()\n    x, y = x.to(device), y.to(device)\n"
+         "    return x, y\nfor it in range(10):\n    x, y = get_batch()\n    loss = model(x, y)\n"
+         "    loss.backward()\n", {(4, "6")}),
+        # deprecated amp spellings; a checkpoint without the scaler's scale
+        ("import torch\nscaler = torch.cuda.amp.GradScaler()\nfor epoch in range(3):\n"
+         "    for x in loader:\n        with torch.autocast('cuda'):\n            loss = model(x)\n"
+         "        scaler.scale(loss).backward()\n    torch.save({'model': m.state_dict(), "
+         "'optimizer': o.state_dict(), 'epoch': epoch, 'rng': r}, 'c')\n", {(2, "7"), (8, "checkpoints")}),
+        # Accelerate's two habits that turn wrong in a ported loop
+        ("total = steps * accelerator.num_processes\nif accelerator.is_main_process:\n"
+         "    accelerator.save_state('out')\n", {(1, "migration"), (3, "checkpoints")}),
+    ],
+    ids=["eval-batches", "type-cuda", "append-under-interval", "helper-copy", "amp-and-scaler", "accelerate"],
+)
+def test_what_each_rule_finds_in_the_forms_scripts_use(source: str, expected: set[tuple[int, str]]) -> None:
+    found = {(f.line, f.topic) for f in lint_source(source) if "trains in fp32" not in f.message}
+    assert found == expected, found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # a validation sampler that does not shuffle needs no set_epoch
+        "import torch\nmodel = DDP(model)\nval = DistributedSampler(ds, shuffle=False)\n",
+        # accumulation by hand written right: micro-steps in their own loop, DDP's no_sync around them
+        "import torch\nmodel = DDP(model)\nfor x in loader:\n    for k in range(4):\n"
+        "        ctx = model.no_sync() if k < 3 else nullcontext()\n"
+        "        with ctx, torch.autocast('cuda'):\n"
+        "            loss = model(x[k]) / 4\n            loss.backward()\n    opt.step()\n",
+    ],
+    ids=["val-sampler", "accumulation-with-no-sync"],
+)
+def test_no_finding_for_these_either(source: str) -> None:
+    assert lint_source(source) == []
+
+
+def test_the_diff_leaves_a_loader_that_is_already_right() -> None:
+    source = (
+        "from torch.utils.data import DataLoader\n"
+        "fast = DataLoader(ds, batch_size=8, num_workers=4, persistent_workers=True)\n"
+        "slow = DataLoader(ds, batch_size=8)\n"
+    )
+    after = rewrite_source(source)
+    assert "fast = DataLoader(ds, batch_size=8, num_workers=4" in after and "slow = fast_loader(ds" in after
