@@ -179,8 +179,8 @@ def device_copies(s: Script) -> Iterator[tuple[int, str, str]]:
             yield (
                 call.lineno,
                 "6",
-                "a hard-coded CUDA device fails on a machine without one (and would put every rank of a "
-                "DDP job on GPU 0): device = resolve_device(None) (cuda:LOCAL_RANK, else mps, else cpu)",
+                "a hard-coded CUDA device fails on a machine without one: device = resolve_device(None) "
+                "(cuda:LOCAL_RANK under torchrun, else cuda, else mps, else cpu)",
             )
 
 
@@ -211,9 +211,12 @@ def precision(s: Script) -> Iterator[tuple[int, str, str]]:
                "python -m speedups.doctor) bf16 autocast runs the matrix products several times faster: "
                "`with mixed_precision():` around the forward and loss (fp16 with loss scaling where bf16 is "
                "missing)")  # fmt: skip
-    if s.has("GradScaler") and not s.has("unscale_"):
-        for call in s.calls():
-            if s.method(call) in ("clip_grad_norm_", "clip_grad_value_"):
+    if s.has("GradScaler"):
+        unscaled = [c.lineno for c in s.calls() if s.method(c) == "unscale_"]
+        for call in s.calls():  # no unscale_, or only after the clip
+            if s.method(call) in ("clip_grad_norm_", "clip_grad_value_") and not any(
+                line < call.lineno for line in unscaled
+            ):
                 yield (call.lineno, "7", "clips the scaled gradients (GradScaler, no "
                        "scaler.unscale_(optimizer) before): the threshold meets gradients times the loss "
                        "scale; @accumulate(..., max_grad_norm=) with mixed_precision('fp16') unscales "

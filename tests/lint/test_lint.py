@@ -195,8 +195,16 @@ LOOP = "import torch\nfor x, y in loader:\n    loss = model(x).sum()\n    loss.b
         # Accelerate's two habits that turn wrong in a ported loop
         ("total = steps * accelerator.num_processes\nif accelerator.is_main_process:\n"
          "    accelerator.save_state('out')\n", {(1, "migration"), (3, "checkpoints")}),
+        # clipping before unscale_: the threshold meets the scaled gradients
+        ("import torch\nscaler = torch.amp.GradScaler()\nfor x in loader:\n    with torch.autocast('cuda'):\n"
+         "        loss = model(x)\n    scaler.scale(loss).backward()\n"
+         "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    scaler.unscale_(opt)\n",
+         {(7, "7")}),
     ],
-    ids=["eval-batches", "type-cuda", "append-under-interval", "helper-copy", "amp-and-scaler", "accelerate"],
+    ids=[
+        "eval-batches", "type-cuda", "append-under-interval", "helper-copy", "amp-and-scaler", "accelerate",
+        "clip-before-unscale",
+    ],
 )
 def test_what_each_rule_finds_in_the_forms_scripts_use(source: str, expected: set[tuple[int, str]]) -> None:
     found = {(f.line, f.topic) for f in lint_source(source) if "trains in fp32" not in f.message}
