@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 from speedups import (
     LossTracker,
@@ -30,22 +29,9 @@ from speedups import (
     save_checkpoint,
     world_size,
 )
+from tests._loading_data import Noisy
 
 N, BATCH, EPOCHS = 48, 4, 2
-
-
-class Noisy(Dataset):
-    """Fixed inputs, noise drawn in ``__getitem__`` (seeded per sample by the loader), targets x 3."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(N, 6, generator=g), 3 * torch.randn(N, 1, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
 
 
 def build(every: int, items: bool = False, batch: int = BATCH, batchnorm: bool = False) -> dict[str, Any]:
@@ -56,7 +42,8 @@ def build(every: int, items: bool = False, batch: int = BATCH, batchnorm: bool =
         model = ddp_wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    loader = distributed(fast_loader(Noisy(), batch, shuffle=True, num_workers=0, seed=3, sample_seeds=True))
+    data = Noisy(N, scale=3)
+    loader = distributed(fast_loader(data, batch, shuffle=True, num_workers=0, seed=3, sample_seeds=True))
 
     def loss_fn(x: torch.Tensor, y: torch.Tensor) -> Any:
         loss = F.mse_loss(model(x), y)

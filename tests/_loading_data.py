@@ -88,6 +88,21 @@ class EpochItems(Dataset):
         return torch.tensor([i, self.epoch])
 
 
+class Noisy(Dataset):
+    """``n`` fixed rows of 6 inputs (seed 1) plus noise drawn in ``__getitem__`` (seeded per sample by the
+    loader), and targets of 1 dim times ``scale``: a regression every layout sees alike."""
+
+    def __init__(self, n: int, scale: float = 1.0) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 6, generator=g), scale * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
+
+
 class Augmented(Dataset):
     """Item i: a (5,) float64 row: i, then random "augmentation" drawn from torch, random and numpy."""
 

@@ -91,8 +91,9 @@ def _buffers(objects: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """Each FSDP2 model's saved buffers, by model and buffer name: FSDP2 leaves buffers to each rank (no
     broadcast, unlike DDP), so batch statistics differ per rank, and DCP would write one rank's copy only."""
     out = {}
+    models = _models_and_owners(objects)[0]
     for name, model in objects.items():
-        if model in _models_and_owners(objects)[0]:
+        if model in models:
             saved = model.state_dict()  # its keys only (sharded parameters are not gathered)
             out[name] = {key: b.detach() for key, b in model.named_buffers() if key in saved}
     return out

@@ -100,11 +100,13 @@ def test_one_process_resumes_on_two_with_the_accumulation_halved(tmp_path: Path,
 
 def test_with_a_second_loader_the_one_the_step_trains_on_sets_the_global_batch(tmp_path: Path) -> None:
     from speedups import distributed, fast_loader, load_checkpoint, save_checkpoint
-    from tests._elastic import Noisy, build
+    from tests._elastic import N, build
+    from tests._loading_data import Noisy
 
     def with_test_loader(every: int, batch: int) -> dict:
         state = build(every, batch=batch)
-        state["test_loader"] = distributed(fast_loader(Noisy(), 32, num_workers=0))  # sorts before "train"
+        test = Noisy(N, scale=3)
+        state["test_loader"] = distributed(fast_loader(test, 32, num_workers=0))  # sorts before "train"
         return state
 
     state = with_test_loader(4, 4)

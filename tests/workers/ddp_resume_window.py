@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 from speedups import (
     LossTracker,
@@ -33,6 +32,7 @@ from speedups import (
     mixed_precision,
     save_checkpoint,
 )
+from tests._loading_data import Noisy
 
 precision, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 N, BATCH, EVERY, EPOCHS = 48, 4, 3, 2
@@ -41,25 +41,11 @@ init_distributed()
 RANK = torch.distributed.get_rank()
 
 
-class Noisy(Dataset):
-    """Fixed inputs plus noise drawn in __getitem__ (seeded per sample by the loader)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(N, 6, generator=g), torch.randn(N, 1, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
-
-
 def build():
     torch.manual_seed(100 + RANK)  # each rank its own stream: dropout masks and the workers' seeds differ
     model = ddp_wrap(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-    loader = distributed(fast_loader(Noisy(), BATCH, shuffle=True, num_workers=1, sample_seeds=True))
+    loader = distributed(fast_loader(Noisy(N), BATCH, shuffle=True, num_workers=1, sample_seeds=True))
 
     def loss_fn(x, y):
         return F.mse_loss(model(x).float(), y)

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import Dataset
 
 from speedups import (
     LossTracker,
@@ -45,6 +44,7 @@ from speedups import (
     load_checkpoint,
     save_checkpoint,
 )
+from tests._loading_data import Noisy
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 N, BATCH, EVERY, EPOCHS = 40, 2, 4, 2
@@ -57,20 +57,6 @@ if mode != "one":  # "one": a plain process, no process group
 RANK = torch.distributed.get_rank() if mode != "one" else 0
 
 
-class Noisy(Dataset):
-    """Fixed inputs plus noise drawn in __getitem__ (seeded per sample by the loader)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(N, 6, generator=g), torch.randn(N, 1, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
-
-
 def build(sharded=True, every=EVERY):
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(16) if DROPOUT else nn.Identity()
@@ -81,7 +67,7 @@ def build(sharded=True, every=EVERY):
     model = ddp_wrap(net, strategy="fsdp") if sharded else net
     torch.manual_seed(100 + RANK)  # each rank its own stream: dropout masks and the workers' seeds differ
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-    loader = distributed(fast_loader(Noisy(), BATCH, shuffle=True, num_workers=1, sample_seeds=True))
+    loader = distributed(fast_loader(Noisy(N), BATCH, shuffle=True, num_workers=1, sample_seeds=True))
     step = accumulate(every, opt, model=model)(lambda x, y: F.mse_loss(model(x), y))
     return model, opt, loader, step, LossTracker()
 
